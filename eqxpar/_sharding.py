@@ -1,0 +1,295 @@
+"""Placing PyTrees (Equinox Modules included) on a mesh by a tree of PartitionSpecs."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jaxtyping import PyTree
+
+__all__ = [
+    "broadcast_specs",
+    "validate_spec",
+    "shard",
+    "gather",
+    "sharding_report",
+    "ShardingReport",
+]
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, PartitionSpec) or x is None
+
+
+def _path_str(path) -> str:
+    return jax.tree_util.keystr(path) or "<root>"
+
+
+def broadcast_specs(specs: PyTree, tree: PyTree, *, what: str = "specs") -> list[PartitionSpec]:
+    """One PartitionSpec per leaf of `tree`, from a prefix tree of specs.
+
+    `specs` may be a single spec for the whole tree (`P()` replicates everything), a tree
+    with the same structure as `tree` (a spec per leaf), or anything in between: each spec
+    covers the subtree at its position. `None` in `specs` means replicated (`P()`).
+
+    **Arguments:**
+
+    - `specs`: a prefix tree of `PartitionSpec`s (or `None`).
+    - `tree`: the PyTree the specs describe.
+    - `what`: a name for `specs` used in error messages (e.g. `"in_specs"`).
+
+    **Returns:**
+
+    A list with one `PartitionSpec` per leaf of `tree`, in `jax.tree.leaves` order.
+
+    **Raises:**
+
+    - `ValueError` if `specs` is not a prefix of `tree`'s structure, naming the first place
+      where they differ.
+    """
+    flat: list = []
+
+    def collect(spec, subtree):
+        flat.extend([spec] * len(jax.tree.leaves(subtree)))
+
+    try:
+        jax.tree.map(collect, specs, tree, is_leaf=_is_spec)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"{what} does not match the structure of the PyTree it describes. Give one "
+            f"PartitionSpec for the whole tree (e.g. P()), one per leaf (e.g. "
+            f"jax.tree.map(lambda _: P(), tree)), or a prefix of the tree's structure. "
+            f"JAX reported: {e}"
+        ) from None
+    return [PartitionSpec() if s is None else s for s in flat]
+
+
+def _spec_axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    if isinstance(entry, (tuple, list)):
+        return tuple(entry)
+    return (entry,)
+
+
+def validate_spec(
+    spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh, *, where: str
+) -> None:
+    """Check that `spec` can split an array of `shape` over `mesh`.
+
+    **Arguments:**
+
+    - `spec`: the PartitionSpec for one array.
+    - `shape`: the array's global shape.
+    - `mesh`: the mesh whose axis names and sizes the spec refers to.
+    - `where`: a description of the array for error messages (e.g. a leaf path).
+
+    **Returns:**
+
+    Nothing; raises if the spec does not fit.
+
+    **Raises:**
+
+    - `ValueError` for an axis name not in the mesh, a mesh axis used twice, a spec with
+      more entries than the array has dimensions, or a dimension that the product of its
+      axis sizes does not divide.
+    """
+    if len(spec) > len(shape):
+        raise ValueError(
+            f"{where}: PartitionSpec {spec} has {len(spec)} entries but the array has rank "
+            f"{len(shape)} (shape {shape}). Give at most one entry per dimension."
+        )
+    seen: set[str] = set()
+    for dim, entry in enumerate(spec):
+        axes = _spec_axes(entry)
+        for axis in axes:
+            if axis not in mesh.shape:
+                raise ValueError(
+                    f"{where}: PartitionSpec {spec} names axis {axis!r}, which is not in the "
+                    f"mesh (its axes are {tuple(mesh.axis_names)}). Use one of those names "
+                    f"or build the mesh with that axis."
+                )
+            if axis in seen:
+                raise ValueError(
+                    f"{where}: PartitionSpec {spec} uses mesh axis {axis!r} twice; each mesh "
+                    f"axis can split at most one dimension."
+                )
+            seen.add(axis)
+        parts = math.prod(mesh.shape[a] for a in axes)
+        if shape[dim] % parts:
+            sizes = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
+            raise ValueError(
+                f"{where}: dimension {dim} has size {shape[dim]}, which is not divisible by "
+                f"{parts} ({sizes}) as PartitionSpec {spec} asks. Choose a size that is a "
+                f"multiple of {parts}, or split that dimension over fewer devices."
+            )
+
+
+def _validated_shardings(tree: PyTree, mesh: Mesh, specs: PyTree, what: str):
+    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    flat_specs = broadcast_specs(specs, tree, what=what)
+    shardings = []
+    for (path, leaf), spec in zip(leaves_with_path, flat_specs):
+        if eqx.is_array(leaf):
+            validate_spec(spec, tuple(leaf.shape), mesh, where=f"{what} at {_path_str(path)}")
+            shardings.append(NamedSharding(mesh, spec))
+        else:
+            shardings.append(None)
+    return leaves_with_path, treedef, shardings
+
+
+def shard(tree: PyTree, mesh: Mesh, specs: PyTree = PartitionSpec()) -> PyTree:
+    """Put every array of `tree` onto `mesh`, split or replicated as `specs` says.
+
+    Works on any PyTree, an Equinox Module included: non-array leaves (activation
+    functions, Python numbers, static fields) are returned unchanged. All specs are
+    checked before any data moves.
+
+    **Arguments:**
+
+    - `tree`: the PyTree to place (a model, an optimizer state, a batch).
+    - `mesh`: the device mesh.
+    - `specs`: a prefix tree of `PartitionSpec`s (see [`eqxpar.broadcast_specs`][]).
+      Default `P()`: replicate everything.
+
+    **Returns:**
+
+    A PyTree of the same structure whose arrays are `jax.Array`s with
+    `NamedSharding(mesh, spec)`.
+
+    **Raises:**
+
+    - `ValueError` if the specs do not match the tree, name an axis the mesh lacks, have
+      more entries than an array's rank, or split a dimension that is not divisible.
+    """
+    leaves_with_path, treedef, shardings = _validated_shardings(tree, mesh, specs, "specs")
+    out = [
+        jax.device_put(leaf, s) if s is not None else leaf
+        for (_, leaf), s in zip(leaves_with_path, shardings)
+    ]
+    return jax.tree.unflatten(treedef, out)
+
+
+def gather(tree: PyTree) -> PyTree:
+    """Bring every array of `tree` back to host memory as a whole NumPy array.
+
+    The inverse of [`eqxpar.shard`][]: `gather(shard(t, mesh, specs))` equals `t` leaf by
+    leaf. Works across processes too (each process receives the whole array).
+
+    **Arguments:**
+
+    - `tree`: a PyTree whose arrays may be sharded over any mesh.
+
+    **Returns:**
+
+    The same structure with each array leaf replaced by a `numpy.ndarray` holding its global
+    value; non-array leaves unchanged.
+    """
+
+    def one(x):
+        if not eqx.is_array(x):
+            return x
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(jax.device_get(x))
+
+    return jax.tree.map(one, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRow:
+    """One array in a [`eqxpar.ShardingReport`][]."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    spec: str
+    bytes_total: int
+    bytes_per_device: int
+    devices: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingReport:
+    """Where each array of a PyTree lives: one row per array leaf.
+
+    `str(report)` is a table; `report.rows` holds the numbers.
+    """
+
+    rows: tuple[ShardingRow, ...]
+
+    @property
+    def bytes_total(self) -> int:
+        """Sum of the global sizes of all arrays, in bytes."""
+        return sum(r.bytes_total for r in self.rows)
+
+    @property
+    def bytes_per_device(self) -> int:
+        """Bytes the largest-loaded device holds for these arrays."""
+        return sum(r.bytes_per_device for r in self.rows)
+
+    def __str__(self) -> str:
+        head = ("path", "shape", "dtype", "spec", "bytes/device", "total bytes")
+        body = [
+            (r.path, str(r.shape), r.dtype, r.spec, f"{r.bytes_per_device:,}", f"{r.bytes_total:,}")
+            for r in self.rows
+        ]
+        body.append(("TOTAL", "", "", "", f"{self.bytes_per_device:,}", f"{self.bytes_total:,}"))
+        widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
+        fmt = "  ".join(f"{{:{'>' if i >= 4 else '<'}{w}}}" for i, w in enumerate(widths))
+        lines = [fmt.format(*head), fmt.format(*("-" * w for w in widths))]
+        lines += [fmt.format(*row) for row in body]
+        return "\n".join(lines)
+
+
+def sharding_report(tree: PyTree) -> ShardingReport:
+    """A per-leaf report of how a PyTree's arrays are laid out across devices.
+
+    **Arguments:**
+
+    - `tree`: any PyTree (a sharded model, an optimizer state, a batch).
+
+    **Returns:**
+
+    A [`eqxpar.ShardingReport`][]: for each array leaf its path, global shape, dtype,
+    PartitionSpec (or the device for single-device arrays) and bytes per device.
+    `print(report)` shows it as a table.
+    """
+    rows = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not eqx.is_array(leaf):
+            continue
+        shape = tuple(leaf.shape)
+        itemsize = jnp.dtype(leaf.dtype).itemsize
+        total = math.prod(shape) * itemsize
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            spec = str(sharding.spec)
+            shard_shape = sharding.shard_shape(shape)
+            devices = sharding.mesh.size
+        elif sharding is not None:
+            spec = f"on {len(sharding.device_set)} device(s)"
+            shard_shape = sharding.shard_shape(shape)
+            devices = len(sharding.device_set)
+        else:  # NumPy arrays live on the host.
+            spec, shard_shape, devices = "host", shape, 0
+        rows.append(
+            ShardingRow(
+                path=_path_str(path),
+                shape=shape,
+                dtype=str(jnp.dtype(leaf.dtype)),
+                spec=spec,
+                bytes_total=total,
+                bytes_per_device=math.prod(shard_shape) * itemsize,
+                devices=devices,
+            )
+        )
+    return ShardingReport(tuple(rows))

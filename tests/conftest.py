@@ -1,0 +1,32 @@
+"""Test set-up: 8 simulated CPU devices and the hypothesis profiles.
+
+`make test` uses the `default` profile (few examples, deterministic, fast enough for CI on
+two cores: compiles dominate, so strategies draw from small sets of shapes).
+`HYPOTHESIS_PROFILE=thorough make test` draws many more examples with fresh randomness.
+"""
+
+import os
+
+import eqxpar
+
+# Before anything touches a JAX backend.
+eqxpar.simulate_cpu_devices(8)
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "default",
+    max_examples=6,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+settings.register_profile(
+    "thorough",
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
