@@ -1,0 +1,119 @@
+"""Small real data sets that ship with installed packages: nothing is downloaded.
+
+- [`eqxpar.datasets.digits`][]: scikit-learn's 8x8 handwritten digits (1,797 images,
+  bundled inside the scikit-learn wheel), for the classifier recipes.
+- [`eqxpar.datasets.python_source_text`][]: the source code of some of Python's own
+  standard-library modules, as characters, for the language-model recipes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sysconfig
+
+import numpy as np
+
+__all__ = ["digits", "Split", "python_source_text", "CharText"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """A supervised data set split into train and test parts (NumPy arrays)."""
+
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+
+    @property
+    def num_features(self) -> int:
+        return int(self.x_train.shape[1])
+
+    @property
+    def num_classes(self) -> int:
+        return int(max(self.y_train.max(), self.y_test.max()) + 1)
+
+
+def digits(test_fraction: float = 0.2, seed: int = 0) -> Split:
+    """scikit-learn's digits: 64 pixel features in [0, 1], labels 0-9.
+
+    **Arguments:**
+
+    - `test_fraction`: the share of the 1,797 examples held out for testing.
+    - `seed`: seeds the shuffle that decides the split (the same seed, the same split).
+
+    **Returns:**
+
+    A [`eqxpar.datasets.Split`][] with float32 features of shape `(n, 64)` and int32 labels.
+    """
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"digits: test_fraction must be in (0, 1), got {test_fraction}.")
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as e:  # pragma: no cover - the `recipes`/`test` extras install it
+        raise ImportError("eqxpar.datasets.digits needs scikit-learn: pip install 'eqxpar[recipes]'") from e
+    data = load_digits()
+    x = (data.data / 16.0).astype(np.float32)
+    y = data.target.astype(np.int32)
+    order = np.random.default_rng(seed).permutation(len(x))
+    n_test = int(round(len(x) * test_fraction))
+    test, train = order[:n_test], order[n_test:]
+    return Split(x[train], y[train], x[test], y[test])
+
+
+# Standard-library modules whose source makes the text corpus: plain, well-written English
+# in docstrings and comments, mixed with code. All exist in every CPython since 3.8.
+_TEXT_MODULES = ("textwrap", "string", "functools", "heapq", "bisect", "fractions", "statistics", "difflib")
+
+
+@dataclasses.dataclass(frozen=True)
+class CharText:
+    """A text as integer character ids, with the vocabulary to turn ids back into text."""
+
+    ids: np.ndarray  # int32, shape (n,)
+    vocab: str  # vocab[i] is the character with id i
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def encode(self, text: str) -> np.ndarray:
+        """Character ids of `text` (characters outside the vocabulary raise `KeyError`)."""
+        index = {c: i for i, c in enumerate(self.vocab)}
+        return np.array([index[c] for c in text], dtype=np.int32)
+
+    def decode(self, ids) -> str:
+        """The text for a sequence of character ids."""
+        return "".join(self.vocab[int(i)] for i in np.asarray(ids).reshape(-1))
+
+
+def python_source_text(modules: tuple[str, ...] = _TEXT_MODULES, vocab_multiple: int = 8) -> CharText:
+    """Character-level text from the source files of Python's standard library.
+
+    **Arguments:**
+
+    - `modules`: standard-library module names whose `.py` source is concatenated.
+    - `vocab_multiple`: the vocabulary is padded with unused characters up to a multiple of
+      this, so it divides a vocab-parallel model axis (8 fits every mesh up to 8 devices).
+
+    **Returns:**
+
+    A [`eqxpar.datasets.CharText`][] (about 250k characters for the default modules).
+    """
+    stdlib = sysconfig.get_paths()["stdlib"]
+    parts = []
+    for name in modules:
+        path = os.path.join(stdlib, *name.split(".")) + ".py"
+        if not os.path.exists(path):
+            raise ValueError(f"python_source_text: no source file for module {name!r} at {path}.")
+        with open(path, encoding="utf-8") as f:
+            parts.append(f.read())
+    text = "\n".join(parts)
+    vocab = sorted(set(text))
+    pad = (-len(vocab)) % vocab_multiple
+    # Padding characters come from the private-use area: they never occur in the text.
+    vocab += [chr(0xE000 + i) for i in range(pad)]
+    index = {c: i for i, c in enumerate(vocab)}
+    ids = np.fromiter((index[c] for c in text), dtype=np.int32, count=len(text))
+    return CharText(ids=ids, vocab="".join(vocab))
