@@ -7,6 +7,7 @@ Recipes define `main(argv) -> dict`; running them in-process reuses the test ses
 import importlib.util
 import json
 import pathlib
+import sys
 
 RECIPES = pathlib.Path(__file__).resolve().parent.parent / "recipes"
 
@@ -16,6 +17,10 @@ def load_recipe(name: str):
     path = RECIPES / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"recipe_{name}", path)
     module = importlib.util.module_from_spec(spec)
+    # Registered before it runs, as a normal import does: dataclasses (and pickling) look
+    # a class's module up in sys.modules, which fails for recipes that use
+    # `from __future__ import annotations`.
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
