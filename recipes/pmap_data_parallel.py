@@ -185,7 +185,7 @@ def main(argv=None) -> dict:
           f"output {stacked.shape} sharded {stacked.sharding.spec}")
     from_shard_map = shard_map_predict(mesh, params, batch)
     print(f"shard_map: input {batch.shape} as is, output {from_shard_map.shape} "
-          f"with {from_shard_map.sharding.spec}")
+          f"sharded {from_shard_map.sharding.spec}")
 
     mean_pmap = pmap_mean_logits(devices, params, batch)
     mean_shard_map = shard_map_mean_logits(mesh, params, batch)

@@ -119,8 +119,8 @@ def main(argv=None) -> dict:
 
     # ---- 3. jit of a contraction: the result is partially replicated --------------------
     summed = jax.jit(contract)(arr_sharded)
-    print(f"sum over axis 0: {summed.sharding.spec}, each block on "
-          f"{replicas_per_block(summed)} devices")
+    print(f"sum over axis 0: {summed.sharding.spec}, each block held by "
+          f"{replicas_per_block(summed)} device(s)")
     jax.debug.visualize_array_sharding(summed)
     print(summed)
     # The row axis was summed away, so the devices along it hold the same columns.
@@ -135,8 +135,8 @@ def main(argv=None) -> dict:
         return jax.lax.with_sharding_constraint(out, NamedSharding(mesh, P((row_axis, col_axis))))
 
     constrained = contract_fully_sharded(arr_sharded)
-    print(f"with_sharding_constraint: {constrained.sharding.spec}, each block on "
-          f"{replicas_per_block(constrained)} device")
+    print(f"with_sharding_constraint: {constrained.sharding.spec}, each block held by "
+          f"{replicas_per_block(constrained)} device(s)")
     jax.debug.visualize_array_sharding(constrained)
     checks["constrained_fully_sharded"] = replicas_per_block(constrained) == 1
     checks["constrained_values_correct"] = bool(np.array_equal(np.asarray(constrained), host.sum(axis=0)))
