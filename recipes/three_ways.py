@@ -51,12 +51,13 @@ OUTPUTS = 4  # columns of W and length of b
 
 # What the tutorial printed for seed 0 (an external reference, run on a TPU). Its own four
 # runs differ from each other by up to 1.2e-7, and the exact (float64) values differ from
-# its printout by up to 5.2e-7, so its numbers are good to about 5e-7: 2e-6 absolute leaves
+# its printout by up to 5.1e-7, so its numbers are good to about 5e-7: 2e-6 absolute leaves
 # room for a different machine's float32 rounding and still fails on any real mistake (a
-# missing or doubled psum moves the outputs by more than 1e-2).
+# missing or doubled psum moves the outputs by orders of magnitude more).
 TUTORIAL_SEED = 0
 TUTORIAL_VALUES = np.array([0.02138912, 0.893112, 0.59892005, 0.97742504])
 TUTORIAL_ATOL = 2e-6
+
 
 def make_inputs(seed: int, features: int = FEATURES, outputs: int = OUTPUTS):
     """x: (features,), W: (features, outputs), b: (outputs,) from `np.random.default_rng(seed)`.
