@@ -1,0 +1,402 @@
+"""Multi-process start-up: one call that joins JAX's distributed runtime, or does nothing.
+
+Every process of a multi-host (multi-process) job runs the same script; each calls
+[`eqxpar.distributed.initialize`][] once, before anything else touches JAX. After it returns,
+`jax.devices()` lists the devices of *all* processes, `jax.process_index()` says which
+process this is, and a `jax.jit`/`shard_map` computation over a mesh of those devices runs as
+one SPMD program whose collectives (`psum`, `pmean`, ...) cross process boundaries.
+
+Where the settings come from, first match wins:
+
+1. the arguments `coordinator_address`, `num_processes`, `process_id`;
+2. the environment variables set by `python -m eqxpar.launch` (or by any launcher you write):
+   `EQXPAR_COORDINATOR_ADDRESS`, `EQXPAR_NUM_PROCESSES`, `EQXPAR_PROCESS_ID`, and
+   `EQXPAR_DEVICES_PER_PROCESS` (simulated CPU devices per process);
+3. a cluster environment JAX recognises: SLURM (`srun`) and Open MPI (`mpirun`) are detected
+   from their environment variables; other clusters (`"mpi4py"`, `"gke_tpu"`, `"k8s"`, ...)
+   by passing `cluster_detection_method`. JAX then works out the coordinator itself.
+
+With none of these, the run is a plain single process and `initialize` only sets the CPU
+device count: recipes can call it unconditionally.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import jax
+
+from ._mesh import _backends_started, simulate_cpu_devices
+
+__all__ = [
+    "initialize",
+    "ProcessInfo",
+    "print_main",
+    "MainProcessFilter",
+    "ENV_COORDINATOR_ADDRESS",
+    "ENV_NUM_PROCESSES",
+    "ENV_PROCESS_ID",
+    "ENV_DEVICES_PER_PROCESS",
+]
+
+# The launcher's interface: `eqxpar.launch` sets these for every process it starts.
+ENV_COORDINATOR_ADDRESS = "EQXPAR_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "EQXPAR_NUM_PROCESSES"
+ENV_PROCESS_ID = "EQXPAR_PROCESS_ID"
+ENV_DEVICES_PER_PROCESS = "EQXPAR_DEVICES_PER_PROCESS"
+
+# Cluster environments recognised from environment variables alone (no network queries), with
+# the variables that give (process count, process id). JAX's own detection does the rest.
+_SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+_OMPI_VARS = ("OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessInfo:
+    """Where this process stands in the job, as [`eqxpar.distributed.initialize`][] left it.
+
+    `str(info)` is a one-line summary, e.g.
+    `process 1 of 2: 4 local / 8 global cpu devices, coordinator 127.0.0.1:40211 (eqxpar.launch)`.
+    """
+
+    process_id: int
+    num_processes: int
+    local_device_count: int
+    device_count: int
+    platform: str
+    coordinator_address: str | None
+    source: str  # "single process", "arguments", "eqxpar.launch", "slurm", "ompi", or a JAX method
+
+    @property
+    def is_main(self) -> bool:
+        """True in process 0, the one that prints and writes files."""
+        return self.process_id == 0
+
+    def __str__(self) -> str:
+        where = f", coordinator {self.coordinator_address}" if self.coordinator_address else ""
+        return (
+            f"process {self.process_id} of {self.num_processes}: {self.local_device_count} local / "
+            f"{self.device_count} global {self.platform} devices{where} ({self.source})"
+        )
+
+
+def _env_int(name: str) -> int | None:
+    text = os.environ.get(name)
+    if text is None or text.strip() == "":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={text!r} is not an integer.") from None
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host:
+        raise ValueError(
+            f"coordinator address {address!r} is not of the form host:port (e.g. "
+            f"'127.0.0.1:1234' or 'node001:1234')."
+        )
+    try:
+        port_number = int(port)
+    except ValueError:
+        port_number = -1
+    if not 0 < port_number < 65536:
+        raise ValueError(f"coordinator address {address!r}: the port must be an integer in 1..65535.")
+    return host.strip("[]"), port_number
+
+
+def _pick(name: str, given: Any, env_name: str, env_value: Any):
+    """The argument if given, else the environment's value; a conflict between them is an error."""
+    if given is not None and env_value is not None and given != env_value:
+        raise ValueError(
+            f"initialize({name}={given!r}) does not match the environment, which says "
+            f"{env_name}={env_value!r} (set by eqxpar.launch or your launcher). The process "
+            f"count and ids must agree with how the processes were started: drop the argument "
+            f"to use the launcher's value, or start the job with matching settings."
+        )
+    return given if given is not None else env_value
+
+
+def _detected_cluster() -> tuple[str, int, int] | None:
+    """(name, process count, process id) of a cluster recognised from its environment variables."""
+    if all(v in os.environ for v in _SLURM_VARS):
+        return "slurm", int(os.environ["SLURM_NTASKS"]), int(os.environ["SLURM_PROCID"])
+    if all(v in os.environ for v in _OMPI_VARS):
+        return "ompi", int(os.environ["OMPI_COMM_WORLD_SIZE"]), int(os.environ["OMPI_COMM_WORLD_RANK"])
+    return None
+
+
+def _wait_for_coordinator(address: str, timeout_s: float, process_id: int) -> None:
+    """Block until something listens at `address`; a clear TimeoutError if nothing does in time."""
+    host, port = _split_address(address)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"eqxpar.distributed.initialize: process {process_id} could not reach the "
+                    f"coordinator at {address} within {timeout_s:g} s ({e}). The coordinator is "
+                    f"process 0: check that it was started, that it did not fail (see its "
+                    f"output), that every process was given the same address, and that this "
+                    f"host can reach that host and port (firewalls). Raise timeout_s if process "
+                    f"0 starts late."
+                ) from None
+            time.sleep(0.2)
+
+
+def _connect(address: str | None, num_processes: int | None, process_id: int | None,
+             method: str | None, timeout_s: float) -> None:
+    """jax.distributed.initialize with a timeout that raises instead of aborting the process.
+
+    JAX aborts the whole process (a fatal C++ log message) when not every process connects
+    within its `initialization_timeout`. We give JAX a much longer timeout and wait for it
+    on a helper thread, so that our own, shorter timeout ends in a Python exception that says
+    what to check.
+    """
+    failure: list[BaseException] = []
+
+    def run():
+        try:
+            jax.distributed.initialize(
+                coordinator_address=address,
+                num_processes=num_processes,
+                process_id=process_id,
+                cluster_detection_method=method,
+                initialization_timeout=int(timeout_s) + 3600,
+            )
+        except BaseException as e:  # handed to the calling thread below
+            failure.append(e)
+
+    thread = threading.Thread(target=run, name="eqxpar-distributed-initialize", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        count = "the expected number of" if num_processes is None else f"all {num_processes}"
+        raise TimeoutError(
+            f"eqxpar.distributed.initialize: process {process_id} waited {timeout_s:g} s for "
+            f"{count} processes to connect to the coordinator at {address}, and they did not. "
+            f"Usually the process count is wrong (num_processes must equal the number of "
+            f"processes actually started, each with a different process_id), or a process "
+            f"failed before connecting (see its output), or the processes were given different "
+            f"coordinator addresses. This process cannot recover: exit and restart the job."
+        )
+    if failure:
+        raise failure[0]
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    cpu_devices: int | None = None,
+    timeout_s: float = 60.0,
+    cluster_detection_method: str | None = None,
+) -> ProcessInfo:
+    """Join this process to a multi-process JAX job, or do nothing for a single process.
+
+    Call it once, at the top of the script, before any JAX array exists. Settings come from
+    the arguments, else from `eqxpar.launch`'s environment variables, else from a detected
+    cluster (SLURM, Open MPI, or the `cluster_detection_method` you name); with none of them
+    this is a single-process run and only the CPU device count is set.
+
+    For a multi-process run it turns on CPU collectives (gloo) so that collectives between
+    processes also work on CPU, starts JAX's distributed runtime (process 0 hosts the
+    coordinator), and checks that every process ended up with the same number of devices.
+
+    **Arguments:**
+
+    - `coordinator_address`: `host:port` of process 0's coordinator service.
+    - `num_processes`: how many processes take part.
+    - `process_id`: this process's index, `0 <= process_id < num_processes`.
+    - `cpu_devices`: simulated CPU devices for this process (see
+      [`eqxpar.simulate_cpu_devices`][]); `None` leaves JAX's default. Under
+      `eqxpar.launch` its `--devices-per-proc` (the `EQXPAR_DEVICES_PER_PROCESS`
+      variable) takes precedence, so a recipe's `--devices` flag is ignored there.
+    - `timeout_s`: how long to wait for the coordinator and for all processes to connect.
+    - `cluster_detection_method`: a JAX cluster name (`"slurm"`, `"ompi"`, `"mpi4py"`,
+      `"gke_tpu"`, `"gce_tpu"`, `"k8s"`) to force JAX's auto-detection; default: only
+      SLURM and Open MPI are detected, from their environment variables.
+
+    **Returns:**
+
+    A [`eqxpar.distributed.ProcessInfo`][] describing this process and the device counts.
+
+    **Raises:**
+
+    - `ValueError` before anything starts: a process id out of range, a process count below
+      1, an argument that contradicts the launcher's environment (e.g. a process count that
+      does not match), a malformed address, a multi-process run requested after JAX's
+      backend has already started, or processes that ended up with different device counts.
+    - `TimeoutError` if the coordinator cannot be reached, or not every process connects,
+      within `timeout_s`.
+    """
+    if timeout_s <= 0:
+        raise ValueError(f"initialize: timeout_s must be positive, got {timeout_s}.")
+    for name, value in (("num_processes", num_processes), ("process_id", process_id), ("cpu_devices", cpu_devices)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ValueError(f"initialize: {name} must be an int, got {value!r}.")
+
+    env_count = _env_int(ENV_NUM_PROCESSES)
+    env_id = _env_int(ENV_PROCESS_ID)
+    env_address = os.environ.get(ENV_COORDINATOR_ADDRESS) or None
+    env_devices = _env_int(ENV_DEVICES_PER_PROCESS)
+
+    address = _pick("coordinator_address", coordinator_address, ENV_COORDINATOR_ADDRESS, env_address)
+    count = _pick("num_processes", num_processes, ENV_NUM_PROCESSES, env_count)
+    pid = _pick("process_id", process_id, ENV_PROCESS_ID, env_id)
+    if coordinator_address is not None or num_processes is not None or process_id is not None:
+        source = "arguments"
+    elif env_count is not None or env_address is not None:
+        source = "eqxpar.launch"
+    else:
+        source = "single process"
+
+    method = cluster_detection_method
+    if source == "single process":
+        detected = _detected_cluster()
+        if method is not None:
+            source = method
+        elif detected is not None and detected[1] > 1:
+            method, count, pid = detected
+            source = method
+    if method is not None and source != method:
+        raise ValueError(
+            f"initialize: cluster_detection_method={method!r} was given together with explicit "
+            f"settings from the {source}; use one or the other."
+        )
+
+    if count is not None and count < 1:
+        raise ValueError(f"initialize: num_processes must be at least 1, got {count}.")
+    if count is not None and pid is not None and not 0 <= pid < count:
+        raise ValueError(
+            f"initialize: process_id {pid} is out of range for {count} process(es); ids run "
+            f"from 0 to {count - 1}. Give each process a different id in that range."
+        )
+    if method is None and count is not None and count > 1:
+        missing = [n for n, v in (("coordinator_address", address), ("process_id", pid)) if v is None]
+        if missing:
+            raise ValueError(
+                f"initialize: a run with {count} processes also needs {' and '.join(missing)} "
+                f"(as arguments or via {ENV_COORDINATOR_ADDRESS} / {ENV_PROCESS_ID}). Start "
+                f"the processes with `python -m eqxpar.launch`, or pass all three settings."
+            )
+    if address is not None:
+        _split_address(address)
+
+    devices = env_devices if env_devices is not None else cpu_devices
+    if devices is not None and devices < 1:
+        raise ValueError(f"initialize: the CPU device count must be at least 1, got {devices}.")
+
+    multi = method is not None or (count is not None and count > 1)
+    if jax.distributed.is_initialized():
+        info = _process_info(address, source)
+        if count is not None and info.num_processes != count:
+            raise ValueError(
+                f"initialize: JAX's distributed runtime is already running with "
+                f"{info.num_processes} processes, not {count}."
+            )
+        return info
+    if multi and _backends_started():
+        raise ValueError(
+            "initialize: a multi-process run must join the distributed runtime before JAX "
+            "starts a backend, but a backend is already running (an array was created or "
+            "devices were listed). Call eqxpar.distributed.initialize() first thing in the "
+            "script."
+        )
+
+    if devices is not None:
+        simulate_cpu_devices(devices)
+    if not multi:
+        return _process_info(None, source)
+
+    # Collectives between processes on the CPU backend need a cross-process implementation;
+    # accelerator backends bring their own (NCCL, ICI), so this only matters on CPU.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if address is not None and pid not in (None, 0):
+        _wait_for_coordinator(address, timeout_s, pid)
+    _connect(address, count, pid, method, timeout_s)
+
+    info = _process_info(address, source)
+    if count is not None and info.num_processes != count:
+        raise ValueError(
+            f"initialize: expected {count} processes but JAX reports {info.num_processes}."
+        )
+    per_process = Counter(d.process_index for d in jax.devices())
+    if len(set(per_process.values())) > 1:
+        listing = ", ".join(f"process {p}: {n}" for p, n in sorted(per_process.items()))
+        raise ValueError(
+            f"initialize: the processes have different device counts ({listing}). Start every "
+            f"process with the same number of devices (eqxpar.launch --devices-per-proc N)."
+        )
+    if devices is not None and info.platform == "cpu" and info.local_device_count != devices:
+        raise ValueError(
+            f"initialize: asked for {devices} CPU devices per process but this process has "
+            f"{info.local_device_count}. Was JAX configured elsewhere (XLA_FLAGS, "
+            f"jax_num_cpu_devices)?"
+        )
+    return info
+
+
+def _process_info(address: str | None, source: str) -> ProcessInfo:
+    return ProcessInfo(
+        process_id=jax.process_index(),
+        num_processes=jax.process_count(),
+        local_device_count=jax.local_device_count(),
+        device_count=jax.device_count(),
+        platform=jax.devices()[0].platform,
+        coordinator_address=address if jax.process_count() > 1 else None,
+        source=source,
+    )
+
+
+def print_main(*values: Any, **print_kwargs: Any) -> None:
+    """`print`, but only in process 0, so a multi-process job prints each message once.
+
+    **Arguments:**
+
+    - `*values`, `**print_kwargs`: as for the built-in `print` (`flush=True` is the default).
+
+    **Returns:**
+
+    Nothing.
+    """
+    if jax.process_index() == 0:
+        print_kwargs.setdefault("flush", True)
+        print(*values, **print_kwargs)
+
+
+class MainProcessFilter(logging.Filter):
+    """A `logging` filter that lets process 0 log everything and the others only warnings and up.
+
+    ```python
+    handler = logging.StreamHandler()
+    handler.addFilter(eqxpar.distributed.MainProcessFilter())
+    logging.getLogger("my_training").addHandler(handler)
+    ```
+
+    **Arguments:**
+
+    - `min_level_elsewhere`: the lowest level that processes other than 0 still emit
+      (default `logging.WARNING`: their problems are never hidden).
+    """
+
+    def __init__(self, min_level_elsewhere: int = logging.WARNING):
+        super().__init__()
+        self.min_level_elsewhere = min_level_elsewhere
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        index = jax.process_index()
+        record.process_index = index
+        return index == 0 or record.levelno >= self.min_level_elsewhere

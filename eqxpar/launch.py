@@ -1,0 +1,308 @@
+"""Run one script as N cooperating JAX processes on this machine: `python -m eqxpar.launch`.
+
+```
+python -m eqxpar.launch --nproc 2 --devices-per-proc 4 recipes/multihost.py --steps 100
+```
+
+starts `recipes/multihost.py --steps 100` twice, as processes 0 and 1 of one JAX job, each
+with 4 simulated CPU devices (8 global devices). The processes find each other through a
+coordinator on 127.0.0.1 at a free port; [`eqxpar.distributed.initialize`][] in the script
+reads the settings from the environment variables the launcher sets:
+
+| variable | value |
+|---|---|
+| `EQXPAR_COORDINATOR_ADDRESS` | `127.0.0.1:PORT` |
+| `EQXPAR_NUM_PROCESSES` | `--nproc` |
+| `EQXPAR_PROCESS_ID` | `0 .. nproc-1` |
+| `EQXPAR_DEVICES_PER_PROCESS` | `--devices-per-proc` |
+
+Every line a process prints comes out prefixed with `[rank i]`. If any process exits with a
+non-zero status or is killed, the launcher stops the others (SIGTERM, then SIGKILL after a
+grace period), says which rank failed, and exits non-zero: a failed job never hangs.
+
+This is the local stand-in for a cluster launcher: on a real cluster, start the same script
+with `srun` (SLURM) or `mpirun`, which [`eqxpar.distributed.initialize`][] also recognises.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from .distributed import (
+    ENV_COORDINATOR_ADDRESS,
+    ENV_DEVICES_PER_PROCESS,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+)
+
+__all__ = ["launch", "main", "free_port"]
+
+# Gloo prints one of these per connection it makes; they say nothing a user needs. Its
+# threads write them concurrently, so pieces of several can share one line.
+_GLOO_PIECE = re.compile(
+    r"\[Gloo\] Rank|\d* ?is connected to \d+ peer ranks\.( Expected number of connected peer ranks is : \d+)?"
+)
+
+
+def _is_gloo_chatter(line: str) -> bool:
+    rest, found = _GLOO_PIECE.subn("", line)
+    return found > 0 and rest.strip(" 0123456789") == ""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that nothing listens on right now (the OS picks it).
+
+    **Arguments:**
+
+    - `host`: the address to bind to when asking.
+
+    **Returns:**
+
+    The port number.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class _Output:
+    """Copies one child stream to ours, line by line, each line prefixed with the rank."""
+
+    def __init__(self, stream, out, prefix: str, lock: threading.Lock, show_gloo: bool):
+        self.stream, self.out, self.prefix, self.lock = stream, out, prefix, lock
+        self.show_gloo = show_gloo
+        self.thread = threading.Thread(target=self._copy, daemon=True)
+        self.thread.start()
+
+    def _emit(self, line: str) -> None:
+        if not line.strip() or (not self.show_gloo and _is_gloo_chatter(line)):
+            return
+        with self.lock:
+            self.out.write(f"{self.prefix}{line}\n")
+            self.out.flush()
+
+    def _copy(self) -> None:
+        fd = self.stream.fileno()
+        pending = ""
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            # Progress bars redraw with "\r": treat it as a line end so each redraw shows.
+            pending += chunk.decode("utf-8", errors="replace")
+            *lines, pending = re.split(r"\r\n|\r|\n", pending)
+            for line in lines:
+                self._emit(line)
+        if pending:
+            self._emit(pending)
+
+
+def _describe(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name}"
+    return f"exited with status {returncode}"
+
+
+def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM every still-running process group, then SIGKILL what is left after `grace_s`."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.05)
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # pragma: no cover - unkillable process
+            pass
+
+
+def launch(
+    command: Sequence[str],
+    *,
+    nproc: int,
+    devices_per_proc: int | None = None,
+    port: int | None = None,
+    grace_s: float = 5.0,
+    timeout_s: float | None = None,
+    show_gloo: bool = False,
+    out=None,
+) -> int:
+    """Run `command` as `nproc` processes of one JAX job on 127.0.0.1; return the exit status.
+
+    **Arguments:**
+
+    - `command`: the program and its arguments, e.g. `[sys.executable, "train.py", "--steps", "10"]`.
+    - `nproc`: how many processes to start (ranks `0 .. nproc-1`).
+    - `devices_per_proc`: simulated CPU devices per process (sets
+      `EQXPAR_DEVICES_PER_PROCESS`); `None` leaves it to the script.
+    - `port`: the coordinator's port; default: a free one.
+    - `grace_s`: after a failure, how long the other processes get to exit after SIGTERM
+      before they are killed.
+    - `timeout_s`: stop everything and return 124 if the job runs longer than this;
+      default: no limit.
+    - `show_gloo`: keep gloo's per-connection messages (hidden by default).
+    - `out`: where the prefixed output goes (default `sys.stdout`).
+
+    **Returns:**
+
+    0 if every process exited with status 0. Otherwise the status of the first process that
+    failed (128 + the signal number if it was killed), or 124 on timeout; a line on
+    `sys.stderr` names the rank.
+    """
+    if nproc < 1:
+        raise ValueError(f"eqxpar.launch: --nproc must be at least 1, got {nproc}.")
+    if devices_per_proc is not None and devices_per_proc < 1:
+        raise ValueError(f"eqxpar.launch: --devices-per-proc must be at least 1, got {devices_per_proc}.")
+    if not command:
+        raise ValueError("eqxpar.launch: give the script to run, e.g. recipes/multihost.py.")
+    out = sys.stdout if out is None else out
+    address = f"127.0.0.1:{port or free_port()}"
+    lock = threading.Lock()
+    procs: list[subprocess.Popen] = []
+    copies: list[_Output] = []
+
+    def note(message: str) -> None:
+        with lock:
+            sys.stderr.write(f"eqxpar.launch: {message}\n")
+            sys.stderr.flush()
+
+    for rank in range(nproc):
+        env = dict(os.environ)
+        env.update({
+            ENV_COORDINATOR_ADDRESS: address,
+            ENV_NUM_PROCESSES: str(nproc),
+            ENV_PROCESS_ID: str(rank),
+            "PYTHONUNBUFFERED": "1",  # lines reach us as they are printed
+        })
+        if devices_per_proc is not None:
+            env[ENV_DEVICES_PER_PROCESS] = str(devices_per_proc)
+            # Simulated CPU devices are the point of this launcher; on a machine with
+            # accelerators every process would otherwise grab all of them.
+            env.setdefault("JAX_PLATFORMS", "cpu")
+        p = subprocess.Popen(
+            list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL, start_new_session=True,  # its own process group
+        )
+        procs.append(p)
+        copies.append(_Output(p.stdout, out, f"[rank {rank}] ", lock, show_gloo))
+        copies.append(_Output(p.stderr, out, f"[rank {rank}] ", lock, show_gloo))
+        note(f"rank {rank} started as pid {p.pid}")
+
+    interrupted: list[int] = []
+
+    def on_signal(signum, _frame):
+        interrupted.append(signum)
+
+    old_handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            old_handlers[sig] = signal.signal(sig, on_signal)
+    start = time.monotonic()
+    status = 0
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                others = sum(c is None for c in codes)
+                note(
+                    f"rank {rank} (pid {procs[rank].pid}) {_describe(code)}; stopping the "
+                    f"other {others} running process(es)."
+                )
+                status = code if code > 0 else 128 - code
+                break
+            if all(c == 0 for c in codes):
+                break
+            if interrupted:
+                note(f"received {signal.Signals(interrupted[0]).name}; stopping all processes.")
+                status = 128 + interrupted[0]
+                break
+            if timeout_s is not None and time.monotonic() - start > timeout_s:
+                note(f"the job ran longer than {timeout_s:g} s; stopping all processes.")
+                status = 124
+                break
+            time.sleep(0.05)
+    finally:
+        _stop(procs, grace_s)
+        for c in copies:
+            c.thread.join(timeout=2.0)
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
+    return status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point: `python -m eqxpar.launch [options] SCRIPT [ARGS...]`.
+
+    **Arguments:**
+
+    - `argv`: the command line without the program name (default `sys.argv[1:]`).
+
+    **Returns:**
+
+    The exit status from [`eqxpar.launch.launch`][].
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m eqxpar.launch",
+        description="Run a script as N processes of one JAX job on this machine.",
+    )
+    parser.add_argument("--nproc", type=int, required=True, help="number of processes")
+    parser.add_argument("--devices-per-proc", type=int, default=None,
+                        help="simulated CPU devices per process (overrides the script's --devices)")
+    parser.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
+    parser.add_argument("--grace-s", type=float, default=5.0,
+                        help="after a failure, seconds between SIGTERM and SIGKILL for the others")
+    parser.add_argument("--timeout-s", type=float, default=None, help="stop the job after this many seconds")
+    parser.add_argument("--show-gloo", action="store_true", help="keep gloo's connection messages")
+    parser.add_argument("-m", dest="module", default=None, help="run a module (like python -m) instead of a script")
+    parser.add_argument("script_and_args", nargs=argparse.REMAINDER,
+                        help="the script to run and its own arguments")
+    args = parser.parse_args(argv)
+    rest = list(args.script_and_args)
+    if args.module is not None:
+        command = [sys.executable, "-m", args.module, *rest]
+    else:
+        if not rest:
+            parser.error("give the script to run, e.g. recipes/multihost.py")
+        if not os.path.exists(rest[0]):
+            parser.error(f"script {rest[0]!r} does not exist")
+        command = [sys.executable, *rest]
+    try:
+        return launch(
+            command, nproc=args.nproc, devices_per_proc=args.devices_per_proc, port=args.port,
+            grace_s=args.grace_s, timeout_s=args.timeout_s, show_gloo=args.show_gloo,
+        )
+    except ValueError as e:
+        parser.error(str(e))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
