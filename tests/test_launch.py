@@ -1,0 +1,146 @@
+"""python -m eqxpar.launch: N real processes, rank-prefixed output, and no hang on failure."""
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from eqxpar import launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write(tmp_path, name, source):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(source))
+    return str(path)
+
+
+def run_launcher(*args, timeout=90):
+    start = time.monotonic()
+    run = subprocess.run(
+        [sys.executable, "-m", "eqxpar.launch", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+    )
+    return run, time.monotonic() - start
+
+
+def test_every_rank_runs_with_its_settings_and_prefixed_output(tmp_path):
+    script = write(tmp_path, "show.py", """
+        import os, sys
+        env = {k: os.environ[k] for k in sorted(os.environ) if k.startswith("EQXPAR_") and k != "EQXPAR_CPU_DEVICES"}
+        print("env", env)
+        sys.stdout.write("progress 1\\rprogress 2\\n")  # a progress bar's redraw
+        print("args", sys.argv[1:], file=sys.stderr)
+    """)
+    run, _ = run_launcher("--nproc", "3", "--devices-per-proc", "2", script, "--steps", "5")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    for rank in range(3):
+        env = [line for line in lines if line.startswith(f"[rank {rank}] env ")]
+        assert len(env) == 1, lines
+        settings = eval(env[0].split(" env ", 1)[1])  # the dict the script printed
+        assert settings["EQXPAR_PROCESS_ID"] == str(rank)
+        assert settings["EQXPAR_NUM_PROCESSES"] == "3"
+        assert settings["EQXPAR_DEVICES_PER_PROCESS"] == "2"
+        assert settings["EQXPAR_COORDINATOR_ADDRESS"].startswith("127.0.0.1:")
+        assert f"[rank {rank}] progress 1" in lines and f"[rank {rank}] progress 2" in lines
+        assert f"[rank {rank}] args ['--steps', '5']" in lines
+    addresses = {line.split("'EQXPAR_COORDINATOR_ADDRESS': ")[1].split(",")[0] for line in lines if " env " in line}
+    assert len(addresses) == 1  # one coordinator for all ranks
+
+
+def test_a_failing_rank_stops_the_others_and_sets_the_status(tmp_path):
+    script = write(tmp_path, "fail.py", """
+        import os, sys, time
+        if os.environ["EQXPAR_PROCESS_ID"] == "1":
+            sys.exit(3)
+        time.sleep(600)
+        print("rank 0 finished")
+    """)
+    run, seconds = run_launcher("--nproc", "2", "--grace-s", "2", script)
+    assert run.returncode == 3
+    assert "rank 1 (pid" in run.stderr and "exited with status 3" in run.stderr
+    assert "stopping the other 1 running process(es)" in run.stderr
+    assert "rank 0 finished" not in run.stdout
+    assert seconds < 30  # instead of rank 0's 600 s
+
+
+def test_timeout_stops_the_job(tmp_path):
+    script = write(tmp_path, "slow.py", "import time\ntime.sleep(600)\n")
+    run, seconds = run_launcher("--nproc", "2", "--timeout-s", "1", "--grace-s", "1", script)
+    assert run.returncode == 124
+    assert "ran longer than 1 s" in run.stderr
+    assert seconds < 30
+
+
+@pytest.mark.slow
+def test_a_killed_process_mid_run_ends_the_job_within_60_s(tmp_path):
+    """Two JAX processes in a loop of cross-process collectives; rank 1 is SIGKILLed.
+
+    Rank 0 is then blocked in a collective that can never finish: the launcher must notice
+    the death, stop rank 0 and exit non-zero, naming rank 1.
+    """
+    script = write(tmp_path, "collectives.py", """
+        import eqxpar.distributed
+        info = eqxpar.distributed.initialize(timeout_s=60)
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("start")
+        print("ready", info, flush=True)
+        while True:
+            multihost_utils.sync_global_devices("tick")
+    """)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eqxpar.launch", "--nproc", "2", "--devices-per-proc", "2", script],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    seen, pid, ready = [], None, False
+    deadline = time.monotonic() + 90
+    try:
+        while not (pid and ready):
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            seen.append(line)
+            if line.startswith("eqxpar.launch: rank 1 started as pid "):
+                pid = int(line.split()[-1])
+            ready = ready or line.startswith("[rank 1] ready process 1 of 2")
+        time.sleep(0.5)  # well inside the loop of collectives
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        code = proc.wait(timeout=60)
+        seconds = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    time.sleep(0.2)
+    while not lines.empty():
+        seen.append(lines.get())
+    output = "".join(seen)
+    assert code != 0, output
+    assert f"rank 1 (pid {pid}) was killed by SIGKILL" in output
+    assert seconds < 60
+    print(f"launcher exited {seconds:.1f} s after the kill, status {code}")
+
+
+def test_gloo_connection_chatter_is_recognised():
+    assert launch._is_gloo_chatter("[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1")
+    assert launch._is_gloo_chatter("[Gloo] Rank [Gloo] Rank 3 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7")
+    assert not launch._is_gloo_chatter("1")
+    assert not launch._is_gloo_chatter("step 3 loss 0.25")
+
+
+def test_bad_launcher_arguments(tmp_path):
+    with pytest.raises(ValueError, match="--nproc must be at least 1"):
+        launch.launch([sys.executable, "-c", "pass"], nproc=0)
+    with pytest.raises(ValueError, match="--devices-per-proc must be at least 1"):
+        launch.launch([sys.executable, "-c", "pass"], nproc=1, devices_per_proc=0)
+    with pytest.raises(SystemExit):
+        launch.main(["--nproc", "2", str(tmp_path / "missing.py")])
+    assert 0 < launch.free_port() < 65536
