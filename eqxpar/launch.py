@@ -161,7 +161,9 @@ def launch(
     - `command`: the program and its arguments, e.g. `[sys.executable, "train.py", "--steps", "10"]`.
     - `nproc`: how many processes to start (ranks `0 .. nproc-1`).
     - `devices_per_proc`: simulated CPU devices per process (sets
-      `EQXPAR_DEVICES_PER_PROCESS`); `None` leaves it to the script.
+      `EQXPAR_DEVICES_PER_PROCESS`, and `JAX_PLATFORMS=cpu` unless it is set already, so
+      that on a machine with accelerators the processes do not all grab them); `None`
+      leaves both to the script.
     - `port`: the coordinator's port; default: a free one.
     - `grace_s`: after a failure, how long the other processes get to exit after SIGTERM
       before they are killed.
@@ -272,6 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = argparse.ArgumentParser(
         prog="python -m eqxpar.launch",
+        usage="python -m eqxpar.launch --nproc N [options] (SCRIPT | -m MODULE) [ARGS...]",
         description="Run a script as N processes of one JAX job on this machine.",
     )
     parser.add_argument("--nproc", type=int, required=True, help="number of processes")
@@ -282,13 +285,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="after a failure, seconds between SIGTERM and SIGKILL for the others")
     parser.add_argument("--timeout-s", type=float, default=None, help="stop the job after this many seconds")
     parser.add_argument("--show-gloo", action="store_true", help="keep gloo's connection messages")
-    parser.add_argument("-m", dest="module", default=None, help="run a module (like python -m) instead of a script")
-    parser.add_argument("script_and_args", nargs=argparse.REMAINDER,
-                        help="the script to run and its own arguments")
-    args = parser.parse_args(argv)
-    rest = list(args.script_and_args)
-    if args.module is not None:
-        command = [sys.executable, "-m", args.module, *rest]
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # The launcher's own options come first; everything from the script (or `-m MODULE`) on
+    # belongs to the program being launched, flags included.
+    takes_value = {"--nproc", "--devices-per-proc", "--port", "--grace-s", "--timeout-s"}
+    i = 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "-m":
+        i += 2 if argv[i] in takes_value else 1
+    args = parser.parse_args(argv[:i])
+    rest = argv[i:]
+    if rest[:1] == ["-m"]:
+        if len(rest) < 2:
+            parser.error("-m needs a module name, e.g. -m my_package.train")
+        command = [sys.executable, *rest]
     else:
         if not rest:
             parser.error("give the script to run, e.g. recipes/multihost.py")

@@ -98,6 +98,19 @@ def test_only_process_0_prints_and_logs(capsys):
     assert process_filter.filter(record) and record.process_index == 0
 
 
+@pytest.mark.slow
+def test_a_process_count_that_contradicts_the_launcher_fails_every_rank(tmp_path):
+    script = tmp_path / "three.py"
+    script.write_text("import eqxpar.distributed\neqxpar.distributed.initialize(num_processes=3)\n")
+    run = subprocess.run(
+        [sys.executable, "-m", "eqxpar.launch", "--nproc", "2", "--devices-per-proc", "2", str(script)],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert run.returncode == 1
+    assert "initialize(num_processes=3) does not match the environment, which says EQXPAR_NUM_PROCESSES=2" in run.stdout
+    assert "exited with status 1" in run.stderr
+
+
 ATTEMPT = """
 import os, sys, time
 import eqxpar.distributed

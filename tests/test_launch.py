@@ -22,11 +22,11 @@ def write(tmp_path, name, source):
     return str(path)
 
 
-def run_launcher(*args, timeout=90):
+def run_launcher(*args, timeout=90, env=None):
     start = time.monotonic()
     run = subprocess.run(
         [sys.executable, "-m", "eqxpar.launch", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env,
     )
     return run, time.monotonic() - start
 
@@ -54,6 +54,15 @@ def test_every_rank_runs_with_its_settings_and_prefixed_output(tmp_path):
         assert f"[rank {rank}] args ['--steps', '5']" in lines
     addresses = {line.split("'EQXPAR_COORDINATOR_ADDRESS': ")[1].split(",")[0] for line in lines if " env " in line}
     assert len(addresses) == 1  # one coordinator for all ranks
+
+
+def test_a_module_runs_with_its_own_flags(tmp_path):
+    write(tmp_path, "my_train.py", "import os, sys\nprint(os.environ['EQXPAR_PROCESS_ID'], sys.argv[1:])\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    # Everything after `-m MODULE` is the module's, even flags the launcher also has.
+    run, _ = run_launcher("--nproc", "2", "-m", "my_train", "--nproc", "7", env=env)
+    assert run.returncode == 0, run.stderr
+    assert "[rank 0] 0 ['--nproc', '7']" in run.stdout and "[rank 1] 1 ['--nproc', '7']" in run.stdout
 
 
 def test_a_failing_rank_stops_the_others_and_sets_the_status(tmp_path):
