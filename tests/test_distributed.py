@@ -125,12 +125,13 @@ print("connected", flush=True)
 
 
 @pytest.mark.slow
-def test_missing_processes_and_coordinators_time_out_with_a_clear_error():
-    """Two real processes, each alone: no hang, and an error that says what to check.
+def test_wrong_start_ups_end_in_clear_errors():
+    """Real processes started wrongly: no hang, and an error that says what to check.
 
     - process 0 of 2 started without process 1: the process count does not match the
       processes actually started;
-    - process 1 of 2 whose coordinator (process 0) never starts.
+    - process 1 of 2 whose coordinator (process 0) never starts;
+    - two processes with different device counts.
     """
     runs = {}
     for rank in (0, 1):
@@ -144,7 +145,23 @@ def test_missing_processes_and_coordinators_time_out_with_a_clear_error():
         runs[rank] = subprocess.Popen(
             [sys.executable, "-c", ATTEMPT, "3"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
+    # And a complete pair of processes, but with different device counts.
+    address = f"127.0.0.1:{free_port()}"
+    for rank in (0, 1):
+        env = dict(os.environ)
+        env.update({
+            distributed.ENV_COORDINATOR_ADDRESS: address,
+            distributed.ENV_NUM_PROCESSES: "2",
+            distributed.ENV_PROCESS_ID: str(rank),
+            distributed.ENV_DEVICES_PER_PROCESS: str(rank + 1),
+        })
+        runs[f"uneven{rank}"] = subprocess.Popen(
+            [sys.executable, "-c", ATTEMPT, "30"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
     out = {rank: p.communicate(timeout=60)[0] for rank, p in runs.items()}
+    for rank in ("uneven0", "uneven1"):
+        assert runs[rank].returncode != 0, out[rank]
+        assert "different device counts (process 0: 1, process 1: 2)" in out[rank]
     assert runs[0].returncode == 3, out[0]
     assert "process 0 waited 3 s for all 2 processes to connect" in out[0]
     assert "num_processes must equal the number of processes actually started" in out[0]
