@@ -161,7 +161,8 @@ def shard(tree: PyTree, mesh: Mesh, specs: PyTree = PartitionSpec()) -> PyTree:
     **Returns:**
 
     A PyTree of the same structure whose arrays are `jax.Array`s with
-    `NamedSharding(mesh, spec)`.
+    `NamedSharding(mesh, spec)`. In a multi-process run every process must pass the same
+    global values (as SPMD code does); each places the shards of its own devices.
 
     **Raises:**
 
@@ -169,11 +170,20 @@ def shard(tree: PyTree, mesh: Mesh, specs: PyTree = PartitionSpec()) -> PyTree:
       more entries than an array's rank, or split a dimension that is not divisible.
     """
     leaves_with_path, treedef, shardings = _validated_shardings(tree, mesh, specs, "specs")
-    out = [
-        jax.device_put(leaf, s) if s is not None else leaf
-        for (_, leaf), s in zip(leaves_with_path, shardings)
-    ]
+    out = [_place(leaf, s) if s is not None else leaf for (_, leaf), s in zip(leaves_with_path, shardings)]
     return jax.tree.unflatten(treedef, out)
+
+
+def _place(leaf, sharding: NamedSharding):
+    if sharding.is_fully_addressable:
+        return jax.device_put(leaf, sharding)
+    # The mesh spans several processes: `device_put` cannot send this process's copy to
+    # other processes' devices. Every process holds the same global value (SPMD), so each
+    # builds the shards its own devices need from its copy.
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        return jax.device_put(leaf, sharding)  # already global: a collective reshard
+    host = np.asarray(leaf)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def gather(tree: PyTree) -> PyTree:
