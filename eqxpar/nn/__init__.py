@@ -1,0 +1,38 @@
+"""Tensor-parallel Equinox layers with their collectives in plain sight.
+
+Each layer is an Equinox Module with the same parameters and initialisation as its dense
+counterpart in `equinox.nn`. Outside `shard_map` it holds full-size (global) arrays;
+[`eqxpar.nn.partition_specs`][] says how to split them over the model axis, and inside
+`eqxpar.filter_shard_map` each device holds its block and the layer's `__call__` does the
+communication by hand (`psum`, `all_gather`, `pmax`).
+
+```python
+mesh = eqxpar.make_mesh(model=4)
+mlp = eqxpar.nn.ParallelMLP(64, 64, 256, key=jax.random.key(0))
+specs = eqxpar.nn.partition_specs(mlp, mesh)
+forward = eqxpar.filter_shard_map(
+    lambda mlp, x: jax.vmap(mlp)(x), mesh=mesh, in_specs=(specs, P()), out_specs=P()
+)
+y = forward(eqxpar.shard(mlp, mesh, specs), x)  # equals eqx.nn.MLP's output
+```
+"""
+
+from ._attention import ParallelMultiheadAttention
+from ._base import TensorParallelLayer
+from ._convert import from_dense, partition_specs, to_dense
+from ._embedding import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from ._linear import ColumnParallelLinear, RowParallelLinear
+from ._mlp import ParallelMLP
+
+__all__ = [
+    "TensorParallelLayer",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "ParallelMLP",
+    "ParallelMultiheadAttention",
+    "VocabParallelEmbedding",
+    "vocab_parallel_cross_entropy",
+    "partition_specs",
+    "from_dense",
+    "to_dense",
+]

@@ -1,0 +1,193 @@
+"""Vocabulary-parallel embedding and cross-entropy: the vocabulary split over the model axis."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from ._base import TensorParallelLayer
+
+__all__ = ["VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
+
+
+class VocabParallelEmbedding(TensorParallelLayer):
+    """An embedding table whose rows (the vocabulary) are split over the model axis.
+
+    Global form: `weight` of shape `(num_embeddings, embedding_size)` as in
+    `eqx.nn.Embedding`; `specs()` splits it along the rows. Inside `shard_map` device `i`
+    holds rows `[i * V/N, (i + 1) * V/N)`. A lookup: the device that owns the token's row
+    returns it, every other device returns zeros, and a `psum` over the model axis gives
+    everyone the row.
+
+    Communication: one all-reduce of the embeddings forward (`embedding_size` numbers per
+    token); none backward (each device's rows get their gradient locally).
+    """
+
+    weight: Float[Array, "num_embeddings embedding_size"]
+    num_embeddings: int = eqx.field(static=True)
+    embedding_size: int = eqx.field(static=True)
+    axis_name: str = eqx.field(static=True)
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_size: int,
+        dtype=None,
+        *,
+        axis_name: str = "model",
+        key: PRNGKeyArray,
+    ):
+        """**Arguments:**
+
+        - `num_embeddings`, `embedding_size`, `dtype`: as in `eqx.nn.Embedding`; the table
+          is initialised exactly as `eqx.nn.Embedding(..., key=key)` initialises it.
+        - `axis_name`: the mesh axis the vocabulary is split over.
+        - `key`: the initialisation key.
+        """
+        dense = eqx.nn.Embedding(num_embeddings, embedding_size, dtype=dtype, key=key)
+        self.weight = dense.weight
+        self.num_embeddings = num_embeddings
+        self.embedding_size = embedding_size
+        self.axis_name = axis_name
+
+    @classmethod
+    def from_dense(cls, embedding: eqx.nn.Embedding, *, axis_name: str = "model") -> "VocabParallelEmbedding":
+        """The vocabulary-parallel form (global) of a dense `eqx.nn.Embedding`.
+
+        **Arguments:**
+
+        - `embedding`: the dense layer.
+        - `axis_name`: the mesh axis to split the vocabulary over.
+
+        **Returns:**
+
+        A `VocabParallelEmbedding` in global form sharing `embedding`'s table.
+        """
+        if not isinstance(embedding, eqx.nn.Embedding):
+            raise ValueError(
+                f"VocabParallelEmbedding.from_dense needs an eqx.nn.Embedding, got "
+                f"{type(embedding).__name__}."
+            )
+        num, size = embedding.weight.shape
+        layer = eqx.filter_eval_shape(
+            cls, num, size, embedding.weight.dtype, axis_name=axis_name, key=jax.random.key(0)
+        )
+        return eqx.tree_at(lambda l: l.weight, layer, embedding.weight)
+
+    def to_dense(self) -> eqx.nn.Embedding:
+        """The dense `eqx.nn.Embedding` with this layer's (global) table."""
+        if tuple(self.weight.shape) != (self.num_embeddings, self.embedding_size):
+            raise ValueError(
+                f"VocabParallelEmbedding.to_dense: weight has shape {tuple(self.weight.shape)}, "
+                f"not the global ({self.num_embeddings}, {self.embedding_size}); call it on the "
+                f"global form (outside shard_map)."
+            )
+        return eqx.nn.Embedding(weight=self.weight)
+
+    def specs(self) -> "VocabParallelEmbedding":
+        """`weight`: `P(axis_name, None)`: split along the vocabulary."""
+        return eqx.tree_at(lambda l: l.weight, self, PartitionSpec(self.axis_name, None))
+
+    def check_axis_size(self, size: int, where: str = "") -> None:
+        """`ValueError` unless `num_embeddings` is divisible by `size`."""
+        if self.num_embeddings % size:
+            raise self._split_error(where, "num_embeddings", self.num_embeddings, size)
+
+    def __call__(
+        self, x: Int[Array, ""], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, " embedding_size"]:
+        """Look up one token on one device (inside `shard_map`).
+
+        **Arguments:**
+
+        - `x`: a scalar integer token id in `[0, num_embeddings)`, the same on every device.
+          Use `jax.vmap` for sequences and batches.
+        - `key`: ignored (for compatibility with the Equinox API).
+
+        **Returns:**
+
+        The token's embedding, shape `(embedding_size,)`, the same on every device.
+        """
+        del key
+        size = self._model_axis_size()
+        rows = self.num_embeddings // size
+        if self.weight.shape != (rows, self.embedding_size):
+            raise ValueError(
+                f"VocabParallelEmbedding: inside shard_map its weight should be this device's "
+                f"block ({rows}, {self.embedding_size}), but it is {self.weight.shape}. Pass "
+                f"eqxpar.nn.partition_specs(layer) as the layer's in_specs."
+            )
+        if jnp.shape(x) != ():
+            raise ValueError(
+                f"VocabParallelEmbedding: expected a scalar token id, got shape {jnp.shape(x)}; "
+                f"use jax.vmap over sequences."
+            )
+        row = x - jax.lax.axis_index(self.axis_name) * rows  # the token's row in our block
+        ours = (row >= 0) & (row < rows)
+        vector = jnp.where(ours, self.weight[jnp.clip(row, 0, rows - 1)], 0)
+        # Exactly one device contributes a non-zero row: the all-reduce hands it to all.
+        return jax.lax.psum(vector, self.axis_name)
+
+
+def vocab_parallel_cross_entropy(
+    logits: Float[Array, "*batch vocab_block"],
+    labels: Int[Array, "*batch"],
+    axis_name: str = "model",
+) -> Float[Array, "*batch"]:
+    """Softmax cross-entropy with integer labels, the logits split over the vocabulary.
+
+    Call it inside `shard_map` with this device's block of the logits (e.g. the output of a
+    [`eqxpar.nn.ColumnParallelLinear`][] head with `gather_output=False`). The result equals
+    `optax.softmax_cross_entropy_with_integer_labels` on the whole logits, which are never
+    put together on one device:
+
+    1. `pmax` of the local maxima: the global max, subtracted for numerical stability
+       (behind `stop_gradient`: the loss does not depend on it);
+    2. one `psum` of two numbers per example: the sum of `exp(logit - max)` over each
+       device's block, and the label's logit (non-zero only on the device that owns it);
+    3. `loss = log(sum) - (label_logit - max)`, the same on every device.
+
+    Backward there is no communication: each device's logit gradients are
+    `softmax - one_hot` on its own block, from the reduced sum it already has.
+
+    **Arguments:**
+
+    - `logits`: this device's block of the logits, shape `(*batch, vocab / N)`.
+    - `labels`: the integer labels in `[0, vocab)`, shape `(*batch)`, the same on every
+      device.
+    - `axis_name`: the mesh axis the vocabulary is split over.
+
+    **Returns:**
+
+    The per-example losses, shape `(*batch)`, the same on every device.
+    """
+    if labels.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"vocab_parallel_cross_entropy: labels have shape {labels.shape} but logits have "
+            f"shape {logits.shape}; labels need the logits' shape without its last (vocabulary) "
+            f"dimension."
+        )
+    try:
+        block = logits.shape[-1]
+        first = jax.lax.axis_index(axis_name) * block
+    except NameError:
+        raise ValueError(
+            f"vocab_parallel_cross_entropy runs inside shard_map over the model axis "
+            f"{axis_name!r}, which is not bound here (a mesh with {axis_name}=1 runs it densely)."
+        ) from None
+    # 1. The global max over the vocabulary: one all-reduce (max).
+    local_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
+    global_max = jax.lax.pmax(local_max, axis_name)
+    shifted = logits - global_max[..., None]
+    # 2. Sum of exponentials and the label's logit, in one all-reduce (sum).
+    sum_exp = jnp.sum(jnp.exp(shifted), axis=-1)
+    label = labels - first  # the label's index in our block
+    ours = (label >= 0) & (label < block)
+    picked = jnp.take_along_axis(shifted, jnp.clip(label, 0, block - 1)[..., None], axis=-1)[..., 0]
+    label_logit = jnp.where(ours, picked, 0)
+    sum_exp, label_logit = jax.lax.psum(jnp.stack([sum_exp, label_logit]), axis_name)
+    # 3. log-sum-exp minus the label's logit (both shifted by the same max).
+    return jnp.log(sum_exp) - label_logit
