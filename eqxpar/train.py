@@ -2,8 +2,8 @@
 
 [`eqxpar.train.data_parallel_step`][] builds the data-parallel step: the model and optimizer
 state are replicated on every device of the mesh, the global batch is split over its `data`
-axis, and each step ends with one explicit all-reduce (`jax.lax.pmean`) of the loss and
-the gradients over that axis. [`eqxpar.train.shard_batch`][] places a batch for it.
+axis, and each step ends with one explicit all-reduce (`jax.lax.psum` of each shard's
+share of the mean) of the loss and the gradients over that axis. [`eqxpar.train.shard_batch`][] places a batch for it.
 
 The step is `eqxpar.filter_shard_map` (per-device code with visible collectives) inside
 `jax.jit` (compiled once, model and optimizer-state buffers donated), taking Equinox
@@ -182,8 +182,9 @@ class _Static:
 def _split_arrays(tree: PyTree) -> tuple[list, _Static]:
     """A tree's array leaves (None elsewhere) and everything else, for `jax.jit`."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    arrays = [x if eqx.is_array(x) else None for x in leaves]
-    return arrays, _Static(treedef, tuple(None if eqx.is_array(x) else x for x in leaves))
+    is_array = [eqx.is_array(x) for x in leaves]
+    arrays = [x if a else None for x, a in zip(leaves, is_array)]
+    return arrays, _Static(treedef, tuple(None if a else x for x, a in zip(leaves, is_array)))
 
 
 def _join_arrays(arrays: list, static: _Static) -> PyTree:
@@ -261,9 +262,10 @@ def data_parallel_step(
 ) -> TrainStep:
     """Build a data-parallel train step: replicated model, batch split over `data_axis`.
 
-    Each device runs `loss_fn` on its shard of the global batch and differentiates it with
-    respect to its own copy of the parameters; then one `jax.lax.pmean` over `data_axis`
-    averages the loss and the gradients (one combined all-reduce per step), and every device
+    Each device runs `loss_fn` on its shard of the global batch and differentiates its share
+    of the global mean (its shard's mean divided by the number of shards) with respect to its
+    own copy of the parameters; then one `jax.lax.psum` over `data_axis` adds up the shares
+    of the loss and the gradients (one combined all-reduce per step), and every device
     applies the same optimizer update. The result equals a single-device step on the whole
     global batch: the gradient is the gradient of the global-batch mean loss.
 
@@ -314,13 +316,21 @@ def data_parallel_step(
     if not callable(loss_fn):
         raise ValueError(f"data_parallel_step: loss_fn must be callable, got {type(loss_fn).__name__}.")
 
-    def shard_loss(params, static, state, batch, key):
+    # Each shard's share of the global-batch mean loss: its own mean divided by the number
+    # of shards (and micro-batches). Summed over the data axis, the shares are the global
+    # mean. (The same as a pmean of the shard means; dividing before differentiating puts
+    # the 1/N into the backward pass instead of an extra pass over the gradients.)
+    share = 1.0 / (n_data * grad_accum)
+
+    def loss_share(params, static, state, batch, key):
         model = eqx.combine(params, static)
         if has_state:
-            return _checked_loss(loss_fn(model, state, batch, key), True)
-        return _checked_loss(loss_fn(model, batch, key), False)
+            loss, state = _checked_loss(loss_fn(model, state, batch, key), True)
+        else:
+            loss, state = _checked_loss(loss_fn(model, batch, key), False)
+        return loss * share, state
 
-    shard_value_and_grad = jax.value_and_grad(shard_loss, has_aux=True)
+    share_value_and_grad = jax.value_and_grad(loss_share, has_aux=True)
 
     def per_device(model, state, opt_state, batch, key):
         # Runs on every device: `batch` is this device's shard, everything else a replica.
@@ -333,28 +343,26 @@ def data_parallel_step(
         # inside the backward pass: see the data-parallel docs on check_vma.)
         local_params = jax.lax.pcast(params, data_axis, to="varying")
         if grad_accum == 1:
-            (loss, state), grads = shard_value_and_grad(local_params, static, state, batch, key)
-            loss = loss.astype(jnp.float32)
+            (loss, state), grads = share_value_and_grad(local_params, static, state, batch, key)
         else:
 
             def micro_step(carry, inputs):
                 loss_sum, grad_sum, state = carry
                 k, micro_batch = inputs
                 micro_key = None if key is None else jax.random.fold_in(key, k)
-                (loss, state), grads = shard_value_and_grad(local_params, static, state, micro_batch, micro_key)
+                (loss, state), grads = share_value_and_grad(local_params, static, state, micro_batch, micro_key)
                 return (loss_sum + loss.astype(jnp.float32), jax.tree.map(jnp.add, grad_sum, grads), state), None
 
-            zeros = jax.tree.map(jnp.zeros_like, local_params)
-            zero = jax.lax.pcast(jnp.zeros((), jnp.float32), data_axis, to="varying")
+            zero_loss = jax.lax.pcast(jnp.zeros((), jnp.float32), data_axis, to="varying")
+            zero_grads = jax.tree.map(jnp.zeros_like, local_params)
             (loss, grads, state), _ = jax.lax.scan(
                 micro_step,
-                (zero, zeros, state),
+                (zero_loss, zero_grads, state),
                 (jnp.arange(grad_accum), _micro_batches(batch, grad_accum)),
             )
-            loss, grads = jax.tree.map(lambda x: x / grad_accum, (loss, grads))
-        # The step's one collective: average loss and gradients over the data axis, so that
-        # every device holds the gradient of the global-batch mean loss.
-        loss, grads = jax.lax.pmean((loss, grads), data_axis)
+        # The step's one collective: sum the shards' shares of loss and gradient over the
+        # data axis. Every device then holds the global-batch mean loss and its gradient.
+        loss, grads = jax.lax.psum((loss.astype(jnp.float32), grads), data_axis)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         model = eqx.apply_updates(model, updates)
         return model, state, opt_state, {"loss": loss}

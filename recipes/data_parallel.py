@@ -1,9 +1,10 @@
 """Data-parallel training: a digits classifier, its global batch split over 8 devices.
 
 Every device holds the whole model and one shard of each global batch. Each step, every
-device computes the loss and gradient on its shard; one `jax.lax.pmean` over the `data`
-axis averages them (see `per_device` in `eqxpar/train.py`), and every device applies the
-same update, so the replicas stay identical. The result equals training on one device with
+device computes the loss and gradient on its shard; one all-reduce over the `data` axis
+averages them (`jax.lax.psum` of each shard's share, in `per_device` in
+`eqxpar/train.py`), and every device applies the same update, so the replicas stay
+identical. The result equals training on one device with
 the whole batch: run it with `--mesh data=1` and compare the final loss.
 
 Run (no accelerator needed: 8 CPU devices are simulated):
@@ -26,6 +27,7 @@ import numpy as np
 import optax
 
 import eqxpar
+import eqxpar.data
 import eqxpar.datasets
 import eqxpar.recipe
 from eqxpar.train import data_parallel_step, shard_batch
@@ -43,21 +45,6 @@ class Config:
     width: int = dataclasses.field(default=128, metadata={"help": "hidden layer width"})
     seed: int = 0
     metrics_out: str | None = dataclasses.field(default=None, metadata={"help": "write metrics JSON here"})
-
-
-# --- Data -----------------------------------------------------------------------------------
-# The order of the training examples is a pure function of (seed, step): epoch e visits the
-# examples in the permutation seeded by (seed, e). Step s's batch can be rebuilt from s alone,
-# so a run resumed at step s sees exactly the batches an uninterrupted run would.
-
-
-def batch_indices(seed: int, step: int, num_examples: int, batch_size: int) -> np.ndarray:
-    """The training-set rows of step `step`'s global batch (the last partial batch of an
-    epoch is skipped)."""
-    per_epoch = num_examples // batch_size
-    epoch, position = divmod(step, per_epoch)
-    order = np.random.default_rng([seed, epoch]).permutation(num_examples)
-    return order[position * batch_size : (position + 1) * batch_size]
 
 
 # --- Model and loss -------------------------------------------------------------------------
@@ -101,8 +88,6 @@ def main(argv=None) -> dict:
 
     data = eqxpar.datasets.digits()
     num_train = len(data.x_train)
-    if cfg.batch_size > num_train:
-        raise ValueError(f"--batch-size {cfg.batch_size} is larger than the {num_train} training examples.")
 
     model = make_model(jax.random.key(cfg.seed), data.num_features, data.num_classes, cfg.width)
     optimizer = make_optimizer(cfg)
@@ -114,7 +99,9 @@ def main(argv=None) -> dict:
     start = time.perf_counter()
     bar = eqxpar.recipe.progress(range(cfg.steps), desc=f"data parallel ({cfg.mesh})")
     for i in bar:
-        rows = batch_indices(cfg.seed, i, num_train, cfg.batch_size)
+        # Global batch i: a pure function of (seed, i), so a run resumed at step i sees the
+        # same batches as one that never stopped.
+        rows = eqxpar.data.global_batch_records(num_train, cfg.batch_size, i, seed=cfg.seed)
         # Each device receives its slice of the global batch straight from the host.
         batch = shard_batch((data.x_train[rows], data.y_train[rows]), mesh, data_axis="data")
         model, opt_state, metrics = step(model, opt_state, batch)

@@ -1,4 +1,4 @@
-"""recipes/data_parallel.py: its own step equals one device; it runs; its data order is pure."""
+"""recipes/data_parallel.py: its own step equals one device; it runs on any mesh."""
 
 import dataclasses
 import functools
@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import eqxpar
+import eqxpar.data
 import eqxpar.datasets
 from eqxpar.testing import assert_trees_close, on_one_device
 from eqxpar.train import shard_batch
@@ -47,7 +48,7 @@ def test_recipe_step_equals_one_device(n_data, grad_accum, seed, steps):
     ref_model, ref_opt_state = jax.tree.map(lambda a: np.array(a) if eqx.is_array(a) else a, (model, opt_state))
     model, opt_state = eqxpar.shard((model, opt_state), step.mesh)
     for i in range(steps):
-        rows = recipe.batch_indices(seed, i, len(DATA.x_train), CONFIG.batch_size)
+        rows = eqxpar.data.global_batch_records(len(DATA.x_train), CONFIG.batch_size, i, seed=seed)
         batch = (DATA.x_train[rows], DATA.y_train[rows])
         ref_model, ref_opt_state, ref_loss = on_one_device(reference_step, ref_model, ref_opt_state, batch)
         model, opt_state, metrics = step(model, opt_state, shard_batch(batch, step.mesh))
@@ -68,18 +69,3 @@ def test_recipe_runs_and_its_final_loss_does_not_depend_on_the_mesh(tmp_path):
     assert 0.5 < eight["test_accuracy"] <= 1.0
     for other in (one, accum):
         np.testing.assert_allclose(other["final_loss"], eight["final_loss"], rtol=1e-5)
-
-
-@given(seed=st.integers(0, 2**16), batch_size=st.sampled_from([32, 100, 128]))
-def test_data_order_is_a_pure_function_of_seed_and_step(seed, batch_size):
-    n = len(DATA.x_train)
-    per_epoch = n // batch_size
-    epoch0 = np.concatenate([recipe.batch_indices(seed, s, n, batch_size) for s in range(per_epoch)])
-    # Each epoch visits distinct examples, in batches of the full size.
-    assert len(epoch0) == per_epoch * batch_size and len(np.unique(epoch0)) == len(epoch0)
-    assert epoch0.min() >= 0 and epoch0.max() < n
-    # Any step can be rebuilt from its number alone (what resuming from a checkpoint needs).
-    s = per_epoch + 3
-    np.testing.assert_array_equal(recipe.batch_indices(seed, s, n, batch_size), recipe.batch_indices(seed, s, n, batch_size))
-    # The next epoch uses a new order.
-    assert not np.array_equal(recipe.batch_indices(seed, per_epoch, n, batch_size), recipe.batch_indices(seed, 0, n, batch_size))
