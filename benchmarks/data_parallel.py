@@ -36,9 +36,11 @@ _ALL_REDUCE = re.compile(r"=\s*(.*?)\s+all-reduce(?:-start)?\(")
 def all_reduces(hlo_text: str) -> list[int]:
     """Bytes of each all-reduce in a compiled (per-device) HLO module, in program order.
 
-    A minimal parser (eqxpar.inspect was not available when this was written): it reads the
-    result type of every `all-reduce` / `all-reduce-start` instruction, a tuple for a
-    combined all-reduce, and sums its arrays' sizes.
+    A minimal parser: it reads the result type of every `all-reduce` / `all-reduce-start`
+    instruction, a tuple for a combined all-reduce, and sums its arrays' sizes.
+    (`eqxpar.inspect.collectives_in_hlo` would be the shared tool, but it does not yet see
+    a combined all-reduce of six or more arrays: XLA writes `/*index=5*/` inside such a
+    tuple type, and its pattern stops at the `=`.)
     """
     sizes = []
     for line in hlo_text.splitlines():
