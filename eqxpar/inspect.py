@@ -167,8 +167,10 @@ def communication_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> C
 # ----------------------------------------------------------------------------------------
 # Compiled HLO text: one instruction per line, `%name = TYPE opcode(operands), attributes`.
 
+# The result type: one array (`f32[16,8]{1,0}`) or a tuple of them, which XLA may annotate
+# with `/*index=5*/` comments and memory spaces `S(1)` (hence one level of nested parens).
 _HLO_OP = re.compile(
-    r"=\s*(?P<type>\([^=]*?\)|[a-z][a-z0-9]*\[[0-9,]*\](?:\{[^}]*\})?)\s+"
+    r"=\s*(?P<type>\((?:[^()]|\([^()]*\))*\)|[a-z][a-z0-9]*\[[0-9,]*\](?:\{[^}]*\})?)\s+"
     r"(?P<op>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?P<async>-start|-done)?\("
 )
 _HLO_NAME = re.compile(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")

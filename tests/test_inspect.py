@@ -43,18 +43,18 @@ def test_every_kind_with_its_result_size():
 
 
 def test_lowered_shows_what_the_code_asked_compiled_what_runs():
-    """Two psums issued together: two all-reduces as lowered; XLA may combine them into one
-    (on CPU it does). Either way the bytes are the same."""
+    """Seven psums issued together: seven all-reduces as lowered; XLA may combine them into
+    one (on CPU it does, a tuple it annotates with `/*index=5*/`). The data is the same."""
     mesh = eqxpar.make_mesh(data=2, model=4)
-
-    def local(a, b):
-        return jax.lax.psum((a, b), "model")
-
-    f = eqxpar.filter_shard_map(local, mesh=mesh, in_specs=(P("model"), P("model")), out_specs=(P(), P()))
-    report = communication_report(f, jnp.ones((8, 3)), jnp.ones((4,)))
-    assert report.count("all-reduce", stage="lowered") == 2
-    assert 1 <= report.count("all-reduce") <= 2
-    assert report.bytes(stage="lowered") == report.bytes() == (2 * 3 + 1) * 4
+    arrays = [jnp.ones((4 * (i + 1), 3)) for i in range(7)]
+    f = eqxpar.filter_shard_map(
+        lambda *xs: jax.lax.psum(xs, "model"),
+        mesh=mesh, in_specs=tuple(P("model") for _ in arrays), out_specs=tuple(P() for _ in arrays),
+    )
+    report = communication_report(f, *arrays)
+    assert report.count("all-reduce", stage="lowered") == 7
+    assert 1 <= report.count("all-reduce") <= 7
+    assert report.bytes(stage="lowered") == report.bytes() == sum(range(1, 8)) * 3 * 4
     assert {c.group_size for c in report.collectives()} == {4}  # the model axis only, not data
 
 
@@ -97,12 +97,16 @@ def test_hlo_text_parsing_async_pairs_and_groups():
             "  %ag = (bf16[4]{0}, bf16[16]{0}) all-gather(bf16[4]{0} %a, bf16[4]{0} %b), "
             "replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}",
             "  ROOT %cp = s32[3]{0} collective-permute(s32[3]{0} %c), source_target_pairs={{0,1},{1,0}}",
+            # A combined all-reduce of six arrays: XLA marks every fifth tuple element.
+            "  %comb = (f32[1]{0}, f32[2]{0}, f32[3]{0}, f32[4]{0}, f32[5]{0}, /*index=5*/f32[6]{0:S(1)}) "
+            "all-reduce(%a, %b, %c, %d, %e, /*index=5*/%f), replica_groups={{0,1}}, to_apply=%add",
             "  %add.1 = f32[] add(f32[] %x, f32[] %y)",
         ]
     )
     ops = collectives_in_hlo(hlo)
-    assert [c.kind for c in ops] == ["all-reduce", "all-gather", "collective-permute"]
-    reduce_, gather_, permute = ops
+    assert [c.kind for c in ops] == ["all-reduce", "all-gather", "collective-permute", "all-reduce"]
+    reduce_, gather_, permute, combined = ops
+    assert combined.shapes == ((1,), (2,), (3,), (4,), (5,), (6,)) and combined.group_size == 2
     assert reduce_.shapes == ((16, 8),) and reduce_.bytes == 16 * 8 * 4 and reduce_.group_size == 4
     assert gather_.shapes == ((4,), (16,)) and gather_.bytes == 20 * 2 and gather_.group_size == 4
     assert permute.dtypes == ("s32",) and permute.group_size is None

@@ -23,7 +23,7 @@ __all__ = ["TensorParallelLayer"]
 
 
 class TensorParallelLayer(eqx.Module):
-    """Base class of the layers in [`eqxpar.nn`][]: Equinox Modules split over a model axis.
+    """Base class of the layers in `eqxpar.nn`: Equinox Modules split over a model axis.
 
     Subclasses have a static `axis_name` field (the mesh axis the layer is split over) and
     provide:
