@@ -281,7 +281,10 @@ class RowParallelLinear(TensorParallelLayer):
         size = self._model_axis_size()
         _check_local(self, (self.out_features, self.in_features // size), size)
         if self.input_is_split:
-            _check_input(self, x, self.in_features // size, "this device's block of the input")
+            _check_input(
+                self, x, self.in_features // size, "this device's block of the input",
+                hint=" To pass the whole input instead, build the layer with input_is_split=False.",
+            )
         else:
             _check_input(self, x, self.in_features, "the whole input (input_is_split=False)")
             # Take this device's block; backward, the blocks' gradients meet in a psum.
@@ -325,9 +328,9 @@ def _check_local(layer: TensorParallelLayer, shape: tuple[int, ...], size: int) 
         )
 
 
-def _check_input(layer: TensorParallelLayer, x, features: int, what: str) -> None:
+def _check_input(layer: TensorParallelLayer, x, features: int, what: str, hint: str = "") -> None:
     if x.shape != (features,):
         raise ValueError(
             f"{type(layer).__name__}: expected {what}, shape ({features},), got {x.shape}. "
-            f"Use jax.vmap for batches."
+            f"Use jax.vmap for batches.{hint}"
         )
