@@ -234,7 +234,7 @@ def test_bias_before_psum_is_caught_by_parity():
 
 _DENSE_AND_PARALLEL = [
     (lambda k: eqx.nn.Linear(8, 16, key=k), lambda k: nn.ColumnParallelLinear(8, 16, key=k)),
-    (lambda k: eqx.nn.Linear(8, 12, use_bias=False, key=k), lambda k: nn.RowParallelLinear(8, 12, use_bias=False, key=k)),
+    (lambda k: eqx.nn.Linear(16, 8, use_bias=False, key=k), lambda k: nn.RowParallelLinear(16, 8, use_bias=False, key=k)),
     (lambda k: eqx.nn.MLP(6, 4, 16, 1, key=k), lambda k: nn.ParallelMLP(6, 4, 16, key=k)),
     (
         lambda k: eqx.nn.MultiheadAttention(8, 16, use_query_bias=True, use_output_bias=True, key=k),
@@ -258,8 +258,13 @@ def test_parallel_layers_from_a_seed_equal_the_dense_layers_from_that_seed():
 @given(n=model_sizes, which=st.integers(0, len(_DENSE_AND_PARALLEL) - 1), seed=st.integers(0, 2**16))
 @example(n=8, which=3, seed=0)
 def test_split_then_gather_is_identity(n, which, seed):
-    dense = _DENSE_AND_PARALLEL[which][0](jax.random.key(seed))
-    kind = {"linear": "column"} if isinstance(dense, eqx.nn.Linear) else {}
+    make_dense, make_parallel = _DENSE_AND_PARALLEL[which]
+    dense = make_dense(jax.random.key(seed))
+    # A Linear splits as the parallel layer it is paired with.
+    kind = {}
+    if isinstance(dense, eqx.nn.Linear):
+        parallel_cls = type(eqx.filter_eval_shape(make_parallel, jax.random.key(0)))
+        kind = {"linear": "column" if parallel_cls is nn.ColumnParallelLinear else "row"}
     tp = nn.from_dense(dense, **kind)
     mesh = eqxpar.make_mesh(model=n)
     specs = nn.partition_specs(tp, mesh)
