@@ -25,9 +25,9 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, ArrayLike, Float, PyTree
 
 from ._shard_map import filter_shard_map
-from ._sharding import _path_str, shard
+from ._sharding import _is_spec, _path_str, broadcast_specs, shard, validate_spec
 
-__all__ = ["data_parallel_step", "shard_batch", "TrainStep"]
+__all__ = ["data_parallel_step", "hybrid_step", "shard_batch", "optimizer_specs", "TrainStep"]
 
 DataAxis = str | tuple[str, ...]
 # `loss_fn(model, batch, key) -> loss`, or with state `loss_fn(model, state, batch, key) -> (loss, state)`.
@@ -259,6 +259,7 @@ def data_parallel_step(
     data_axis: DataAxis = "data",
     grad_accum: int = 1,
     has_state: bool = False,
+    param_specs: PyTree[PartitionSpec] = PartitionSpec(),
 ) -> TrainStep:
     """Build a data-parallel train step: replicated model, batch split over `data_axis`.
 
@@ -294,6 +295,11 @@ def data_parallel_step(
       before the one all-reduce. Same result as one step on the whole batch, with the
       activation memory of one micro-batch.
     - `has_state`: whether the model carries `eqx.nn.State` (see above).
+    - `param_specs`: where the model's arrays live over the mesh's other axes (a prefix
+      tree of `PartitionSpec`s; default replicated). Tensor-parallel models pass
+      `eqxpar.nn.partition_specs(model, mesh)`: that is the hybrid step, see
+      [`eqxpar.train.hybrid_step`][]. The optimizer state follows the parameters
+      ([`eqxpar.train.optimizer_specs`][]). Specs must not use the data axes.
 
     **Returns:**
 
@@ -368,18 +374,31 @@ def data_parallel_step(
         return model, state, opt_state, {"loss": loss}
 
     replicated = PartitionSpec()
-    # With check_vma, JAX tracks which values vary over the data axis, and shard_map refuses
-    # to return a varying value as replicated. It is off for stateful models only: JAX 0.10
-    # rejects one pmean over a vmap axis and a mesh axis together, which is exactly what
-    # eqx.nn.BatchNorm(axis_name=("batch", "data")) does. The parity tests cover both modes,
-    # and _check_batch_norms stands in for the check it would have made on the state.
-    mapped = filter_shard_map(
-        per_device,
-        mesh=mesh,
-        in_specs=(replicated, replicated, replicated, PartitionSpec(data_axis), replicated),
-        out_specs=replicated,
-        check_vma=not has_state,
-    )
+    data_names = set(_axis_names(data_axis))
+
+    def mapped(model, state, opt_state, batch, key):
+        model_specs = _full_specs(param_specs, model, mesh, "param_specs")
+        for spec in jax.tree.leaves(model_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)):
+            if data_names & set(_spec_axis_names(spec)):
+                raise ValueError(
+                    f"data_parallel_step: param_specs splits a parameter over the data axis "
+                    f"({spec}); parameters are copied over {data_axis!r}. For parameters split "
+                    f"over the batch axis too, use eqxpar.fsdp.fsdp_step."
+                )
+        opt_specs = optimizer_specs(optimizer, opt_state, model, model_specs)
+        # With check_vma, JAX tracks which values vary over the data axis, and shard_map
+        # refuses to return a varying value as replicated. It is off for stateful models
+        # only: JAX 0.10 rejects one pmean over a vmap axis and a mesh axis together, which
+        # is exactly what eqx.nn.BatchNorm(axis_name=("batch", "data")) does. The parity
+        # tests cover both modes, and _check_batch_norms stands in for the check it would
+        # have made on the state.
+        return filter_shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=(model_specs, replicated, opt_specs, PartitionSpec(data_axis), replicated),
+            out_specs=(model_specs, replicated, opt_specs, replicated),
+            check_vma=not has_state,
+        )(model, state, opt_state, batch, key)
 
     def step(batch_and_key, model, state, opt_state):
         # Runs once per compilation, while tracing: the checks that need shapes.
@@ -397,3 +416,105 @@ def data_parallel_step(
         return mapped(model, state, opt_state, batch, key)
 
     return TrainStep(step, mesh=mesh, data_axis=data_axis, grad_accum=grad_accum, has_state=has_state)
+
+
+def hybrid_step(
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    param_specs: PyTree[PartitionSpec],
+    *,
+    data_axis: DataAxis = "data",
+    model_axis: str = "model",
+    grad_accum: int = 1,
+) -> TrainStep:
+    """Build a hybrid data x tensor parallel train step on a `(data, model)` mesh.
+
+    The model's tensor-parallel layers ([`eqxpar.nn`][]) are split over `model_axis` and
+    do their own `psum`s there; the batch is split over `data_axis`, and each model replica
+    (the devices that share a data index) works on one shard of it. After the backward
+    pass one `psum` over `data_axis` adds up the replicas' shares of the loss and gradients,
+    exactly as in [`eqxpar.train.data_parallel_step`][] (this is that step, with the
+    parameters placed by `param_specs` instead of replicated).
+
+    `loss_fn(model, batch, key) -> loss` runs on one model replica's shard of the batch,
+    inside `shard_map` over both axes; it returns the mean over that shard, the same on
+    every device of the model axis (e.g. [`eqxpar.models.next_token_loss`][]).
+
+    **Arguments:**
+
+    - `loss_fn`: the per-shard loss, as above.
+    - `optimizer`: an optax optimizer.
+    - `mesh`: a mesh with `data_axis` and `model_axis` (any factorisation, 1 x 1 included).
+    - `param_specs`: the model's spec tree, `eqxpar.nn.partition_specs(model, mesh)`.
+    - `data_axis`: the batch axis (or axes).
+    - `model_axis`: the tensor-parallel axis; checked to be in the mesh.
+    - `grad_accum`: micro-batches per step, as in `data_parallel_step`.
+
+    **Returns:**
+
+    A [`eqxpar.train.TrainStep`][]: `step(model, opt_state, batch, key=None) -> (model,
+    opt_state, metrics)`, the model placed by `param_specs`, the optimizer state by
+    [`eqxpar.train.optimizer_specs`][], the batch as `P(data_axis)`.
+
+    **Raises:**
+
+    - `ValueError` for a mesh without either axis, and as `data_parallel_step` does.
+    """
+    if model_axis not in mesh.shape:
+        raise ValueError(
+            f"hybrid_step: the mesh has no model axis {model_axis!r} (its axes are "
+            f"{tuple(mesh.axis_names)}). Build it with both axes, e.g. "
+            f"eqxpar.make_mesh(data=2, {model_axis}=4), or pass model_axis=..."
+        )
+    return data_parallel_step(
+        loss_fn, optimizer, mesh, data_axis=data_axis, grad_accum=grad_accum, param_specs=param_specs
+    )
+
+
+def _spec_axis_names(spec: PartitionSpec) -> tuple[str, ...]:
+    return tuple(a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,)))
+
+
+def _full_specs(specs: PyTree, model: PyTree, mesh: Mesh, what: str) -> PyTree[PartitionSpec]:
+    """One validated spec per leaf of `model`, as a tree with `model`'s structure."""
+    flat = broadcast_specs(specs, model, what=what)
+    for spec, leaf in zip(flat, jax.tree.leaves(model)):
+        if eqx.is_array(leaf):
+            validate_spec(spec, tuple(leaf.shape), mesh, where=what)
+    return jax.tree_util.tree_unflatten(jax.tree.structure(model), flat)
+
+
+def optimizer_specs(
+    optimizer: optax.GradientTransformation, opt_state: PyTree, model: PyTree, param_specs: PyTree
+) -> PyTree[PartitionSpec]:
+    """Specs for an optax state whose parameter-shaped parts follow `param_specs`.
+
+    Moments and other per-parameter buffers get their parameter's spec; counters and other
+    scalars are replicated. Use it to place the optimizer state with [`eqxpar.shard`][].
+
+    **Arguments:**
+
+    - `optimizer`: the optax optimizer that made `opt_state`.
+    - `opt_state`: its state, `optimizer.init(eqx.filter(model, eqx.is_inexact_array))`.
+    - `model`: the model the state belongs to.
+    - `param_specs`: a prefix tree of specs for `model`.
+
+    **Returns:**
+
+    A tree of `PartitionSpec`s with the structure of `opt_state`.
+    """
+    specs = jax.tree_util.tree_unflatten(
+        jax.tree.structure(model), broadcast_specs(param_specs, model, what="param_specs")
+    )
+    # optax states hold `eqx.filter(model, eqx.is_inexact_array)`-shaped trees, with None
+    # where the model has other leaves: give the spec tree the same holes.
+    specs = jax.tree.map(lambda s, x: s if eqx.is_inexact_array(x) else None, specs, model, is_leaf=_is_spec)
+    return optax.tree_map_params(
+        optimizer,
+        lambda _, spec: spec,
+        opt_state,
+        specs,
+        transform_non_params=lambda _: PartitionSpec(),
+        is_leaf=_is_spec,
+    )
