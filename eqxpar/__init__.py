@@ -7,6 +7,13 @@ tensor-parallel layers (`eqxpar.nn`), train steps, and what goes around a step
 
 from ._mesh import make_mesh, parse_mesh, simulate_cpu_devices
 from ._shard_map import filter_shard_map
+from . import distributed  # multi-host start-up: eqxpar.distributed.initialize()
+from . import train  # train steps: eqxpar.train.data_parallel_step
+from . import nn  # tensor-parallel layers: eqxpar.nn.ParallelMLP, ...
+from . import inspect  # what a compiled function communicates
+from . import models  # a small GPT built from eqxpar.nn layers
+from . import fsdp  # fully sharded data parallelism: eqxpar.fsdp.fsdp_step
+from .inspect import communication_report
 from ._sharding import (
     ShardingReport,
     broadcast_specs,
@@ -29,4 +36,18 @@ __all__ = [
     "ShardingReport",
     "broadcast_specs",
     "validate_spec",
+    "communication_report",
 ]
+
+# Submodules whose dependencies are optional extras load on first use, so that a plain
+# `import eqxpar` does not need them: `eqxpar.checkpoint` needs orbax-checkpoint,
+# `eqxpar.data` needs grain.
+_LAZY_SUBMODULES = ("checkpoint", "data")
+
+
+def __getattr__(name: str):
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
