@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # The most complete recipe so far: the project's main job.
-DEMO ?= three_ways
+DEMO ?= hybrid_gpt
 
 .PHONY: demo test test-thorough docs docs-serve bench clean
 

@@ -14,7 +14,7 @@ import sysconfig
 
 import numpy as np
 
-__all__ = ["digits", "Split", "python_source_text", "CharText"]
+__all__ = ["digits", "Split", "python_source_text", "CharText", "text_windows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,3 +117,27 @@ def python_source_text(modules: tuple[str, ...] = _TEXT_MODULES, vocab_multiple:
     index = {c: i for i, c in enumerate(vocab)}
     ids = np.fromiter((index[c] for c in text), dtype=np.int32, count=len(text))
     return CharText(ids=ids, vocab="".join(vocab))
+
+
+def text_windows(ids: np.ndarray, batch_size: int, context: int, *, seed: int, step: int) -> np.ndarray:
+    """A batch of random `context + 1`-character windows: inputs and their next characters.
+
+    The windows are a pure function of `(seed, step)`, so a run resumed at step `k` sees
+    exactly the batches an uninterrupted run saw from step `k` on.
+
+    **Arguments:**
+
+    - `ids`: the text as character ids (e.g. `python_source_text().ids`).
+    - `batch_size`: how many windows.
+    - `context`: the characters the model sees; each window has `context + 1`.
+    - `seed`: the run's data seed.
+    - `step`: the training step the batch is for.
+
+    **Returns:**
+
+    An int32 array of shape `(batch_size, context + 1)`.
+    """
+    if len(ids) < context + 2:
+        raise ValueError(f"text_windows: a text of {len(ids)} characters is too short for context {context}.")
+    starts = np.random.default_rng([seed, step]).integers(0, len(ids) - context - 1, batch_size)
+    return ids[starts[:, None] + np.arange(context + 1)].astype(np.int32)

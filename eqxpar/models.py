@@ -15,13 +15,17 @@ works on one sequence: batches are a `jax.vmap` outside (see
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jax.sharding import Mesh, PartitionSpec
+from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
+
+from ._shard_map import filter_shard_map
 
 from .nn import (
     ColumnParallelLinear,
@@ -31,7 +35,7 @@ from .nn import (
     vocab_parallel_cross_entropy,
 )
 
-__all__ = ["TransformerBlock", "GPT", "next_token_loss", "generate"]
+__all__ = ["TransformerBlock", "GPT", "next_token_loss", "generate", "whole_logits"]
 
 
 def _split(key: PRNGKeyArray | None, n: int):
@@ -253,3 +257,32 @@ def generate(
         logits = logits_fn(jnp.asarray(padded))[0, len(window) - 1]
         tokens.append(int(jax.random.categorical(step_key, logits / temperature)))
     return np.asarray(tokens, np.int32)
+
+
+def whole_logits(model: GPT, mesh: Mesh, specs: PyTree) -> Callable[[Int[Array, "batch seq"]], Float[Array, "batch seq vocab"]]:
+    """A function from token windows to whole-vocabulary logits, for [`eqxpar.models.generate`][].
+
+    It runs `model` in inference mode inside `shard_map` and assembles the vocabulary blocks
+    of the model axis side by side (the only place the whole logits exist: sampling needs
+    them, training never does). Other mesh axes hold copies.
+
+    **Arguments:**
+
+    - `model`: a [`eqxpar.models.GPT`][] placed on `mesh` with `specs`.
+    - `mesh`: the device mesh (it must have the model's axis).
+    - `specs`: the model's spec tree, e.g. `eqxpar.nn.partition_specs(model, mesh)`.
+
+    **Returns:**
+
+    `logits_fn(tokens) -> logits`, `(batch, seq)` ids to `(batch, seq, vocab_size)`, compiled
+    once per shape.
+    """
+    fn = eqx.filter_jit(
+        filter_shard_map(
+            lambda m, tokens: jax.vmap(functools.partial(m, inference=True))(tokens),
+            mesh=mesh,
+            in_specs=(specs, PartitionSpec()),
+            out_specs=PartitionSpec(None, None, model.axis_name),
+        )
+    )
+    return functools.partial(fn, model)

@@ -19,3 +19,13 @@ def test_python_source_text_round_trips():
     assert len(text.ids) > 100_000
     assert text.decode(text.encode("def f(x):")) == "def f(x):"
     assert text.decode(text.ids[:200]).count("\n") > 0
+
+
+def test_text_windows_are_a_pure_function_of_seed_and_step():
+    ids = np.arange(1000, dtype=np.int32)
+    a = datasets.text_windows(ids, 4, 8, seed=1, step=5)
+    np.testing.assert_array_equal(a, datasets.text_windows(ids, 4, 8, seed=1, step=5))
+    assert a.shape == (4, 9) and a.dtype == np.int32
+    np.testing.assert_array_equal(a[:, 1:] - a[:, :-1], 1)  # contiguous windows of the text
+    assert not np.array_equal(a, datasets.text_windows(ids, 4, 8, seed=1, step=6))
+    assert not np.array_equal(a, datasets.text_windows(ids, 4, 8, seed=2, step=5))

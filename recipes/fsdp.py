@@ -1,0 +1,152 @@
+"""Fully sharded data parallel (FSDP, ZeRO-3 style) training of the GPT of hybrid_gpt.py.
+
+What it shows: the parameters and the optimizer state are split over an `fsdp` mesh axis,
+so each device stores 1/N of them between steps, while the batch is split over the same
+axis as in data parallelism. Each transformer block gathers its weights with
+`jax.lax.all_gather` just before it runs; in the backward pass the gradients are summed
+and cut back to each device's slice (a reduce-scatter, the all_gather's transpose). With
+`--remat` the blocks keep nothing for the backward pass and gather their weights again
+there: less memory, more communication. Add a `model` axis to combine FSDP with tensor
+parallelism (`--mesh fsdp=2,model=4`).
+
+Run it (8 simulated CPU devices when there is no accelerator):
+
+    python recipes/fsdp.py                          # fsdp=8
+    python recipes/fsdp.py --mesh fsdp=2,model=4    # FSDP x tensor parallelism
+    python recipes/fsdp.py --remat                  # gather again in the backward pass
+
+The same seed gives the same losses as hybrid_gpt.py on any mesh (up to float rounding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import equinox as eqx
+import jax
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+import eqxpar
+import eqxpar.nn
+import eqxpar.recipe
+from eqxpar.datasets import python_source_text, text_windows
+from eqxpar.fsdp import fsdp_specs, fsdp_step
+from eqxpar.inspect import CommReport
+from eqxpar.models import GPT, next_token_loss
+from eqxpar.train import optimizer_specs
+
+
+@dataclasses.dataclass
+class Config:
+    devices: int = 8  # simulated CPU devices when there is no accelerator
+    mesh: str = "fsdp=8"  # parameters, optimizer state and batch split over `fsdp`; optional `model` axis
+    steps: int = 400
+    batch_size: int = 32  # the global batch: sequences per step
+    context: int = 64
+    dim: int = 64
+    heads: int = 8
+    layers: int = 2
+    learning_rate: float = 3e-3
+    remat: bool = False  # gather each block's weights again in the backward pass
+    seed: int = 0
+    metrics_out: str | None = None
+
+
+def main(argv=None) -> dict:
+    cfg = eqxpar.recipe.parse_flags(Config, argv)
+    if cfg.steps < 1 or cfg.batch_size < 1 or cfg.context < 1:
+        raise ValueError("--steps, --batch-size and --context must be at least 1.")
+    eqxpar.simulate_cpu_devices(cfg.devices)  # before JAX touches a backend
+
+    # --- Mesh: `fsdp` splits parameters, optimizer state and batch; `model` (optional,
+    # size 1 by default) runs the GPT's layers tensor-parallel. ---
+    sizes = eqxpar.parse_mesh(cfg.mesh)
+    if "fsdp" not in sizes or not set(sizes) <= {"fsdp", "model"}:
+        raise ValueError(f"--mesh: this recipe needs an `fsdp` axis and at most a `model` axis (e.g. fsdp=8), got {cfg.mesh!r}.")
+    sizes.setdefault("model", 1)
+    if cfg.batch_size % sizes["fsdp"]:
+        raise ValueError(f"--batch-size {cfg.batch_size} is not divisible by fsdp={sizes['fsdp']}. Use a multiple of {sizes['fsdp']}.")
+    mesh = eqxpar.make_mesh(**sizes)
+
+    # --- Data: as in hybrid_gpt.py, each batch a pure function of (seed, step). ---
+    text = python_source_text()
+    train_ids = text.ids[: int(0.9 * len(text.ids))]
+
+    # --- Model and where it lives: every weight split over `fsdp` (on top of `model`). ---
+    model_key, train_key, _ = jax.random.split(jax.random.key(cfg.seed), 3)  # as hybrid_gpt.py
+    model = GPT(text.vocab_size, cfg.context, cfg.dim, cfg.heads, cfg.layers, axis_name="model", key=model_key)
+    specs = fsdp_specs(model, mesh, fsdp_axis="fsdp", model_specs=eqxpar.nn.partition_specs(model, mesh))
+    optimizer = optax.adamw(cfg.learning_rate)
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    opt_state = eqxpar.shard(opt_state, mesh, optimizer_specs(optimizer, opt_state, model, specs))
+    model = eqxpar.shard(model, mesh, specs)
+    stored = eqxpar.sharding_report((model, opt_state))
+    if eqxpar.recipe.is_main_process():
+        print(eqxpar.sharding_report(model))
+        print(f"\nparameters + optimizer state: {stored.bytes_per_device:,} of {stored.bytes_total:,} bytes per device\n")
+
+    # --- The FSDP step. `loss_fn` sees the whole model: the step gathers each block's
+    # weights (all_gather over `fsdp`) when the block runs, averages the loss over the
+    # axis (pmean), and the backward pass reduce-scatters the gradients (see eqxpar/fsdp.py).
+    def loss_fn(model, tokens, key):
+        return next_token_loss(model, tokens, key=key)
+
+    step = fsdp_step(loss_fn, optimizer, mesh, specs, fsdp_axis="fsdp", units=lambda m: m.blocks, remat=cfg.remat)
+
+    def batch(i: int):
+        tokens = text_windows(train_ids, cfg.batch_size, cfg.context, seed=cfg.seed, step=i)
+        return eqxpar.shard(tokens, mesh, P("fsdp"))
+
+    lowered = step.lower(model, opt_state, batch(0), train_key)
+    comm = CommReport.of(lowered)
+    temp_bytes = lowered.compile().memory_analysis().temp_size_in_bytes
+    if eqxpar.recipe.is_main_process():
+        print(f"collectives of one train step (per device):\n{comm}\n")
+
+    # --- Training loop. ---
+    losses = []
+    tokens_per_step = cfg.batch_size * cfg.context
+    started = None
+    bar = eqxpar.recipe.progress(range(cfg.steps), desc=f"fsdp {cfg.mesh}{' remat' if cfg.remat else ''}")
+    for i in bar:
+        model, opt_state, metrics = step(model, opt_state, batch(i), jax.random.fold_in(train_key, i))
+        losses.append(float(metrics["loss"]))
+        if i == 0:
+            started = time.perf_counter()  # the first step includes compiling
+        if i % 10 == 0 or i == cfg.steps - 1:
+            rate = tokens_per_step * i / (time.perf_counter() - started) if i else 0.0
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{rate:,.0f}")
+    elapsed = time.perf_counter() - started
+    tokens_per_second = tokens_per_step * (cfg.steps - 1) / elapsed if cfg.steps > 1 else float("nan")
+
+    metrics = {
+        "mesh": cfg.mesh,
+        "remat": cfg.remat,
+        "steps": cfg.steps,
+        "first_loss": losses[0],
+        "final_loss": losses[-1],
+        "final_loss_mean10": float(np.mean(losses[-10:])),
+        "tokens_per_second": tokens_per_second,
+        "state_bytes_total": stored.bytes_total,
+        "state_bytes_per_device": stored.bytes_per_device,
+        "temp_bytes_per_device": temp_bytes,
+        "all_gathers_per_step": comm.count("all-gather"),
+        "all_gathers_per_step_lowered": comm.count("all-gather", stage="lowered"),
+        "reduce_scatters_per_step": comm.count("reduce-scatter"),
+    }
+    if eqxpar.recipe.is_main_process():
+        print(
+            f"{cfg.mesh}{' remat' if cfg.remat else ''}: loss {metrics['first_loss']:.3f} -> "
+            f"{metrics['final_loss_mean10']:.3f} (last 10 steps); {tokens_per_second:,.0f} tokens/s; "
+            f"parameters + optimizer state {stored.bytes_per_device:,} of {stored.bytes_total:,} bytes "
+            f"per device ({stored.bytes_total / stored.bytes_per_device:.1f}x less than one device)"
+        )
+    eqxpar.recipe.write_metrics(cfg.metrics_out, metrics)
+    return metrics
+
+
+if __name__ == "__main__":
+    main()
