@@ -211,14 +211,13 @@ def _as_tuple(nodes):
     return tuple(nodes) if isinstance(nodes, (tuple, list)) else (nodes,)
 
 
-def _global_sq_norm(tree: PyTree, specs: list[PartitionSpec], mesh: Mesh) -> Array:
-    """Squared norm of a tree of per-device blocks: psum each block's square over its split axes."""
-    total = jnp.zeros((), jnp.float32)
+def _global_sq_norm(tree: PyTree, specs: list[PartitionSpec]) -> Array:
+    """Squared norm of a tree of per-device blocks: one psum per set of axes that split them."""
+    by_axes: dict[tuple[str, ...], Array] = {}
     for leaf, spec in zip(jax.tree.leaves(tree), specs):
-        sq = jnp.sum(jnp.square(leaf.astype(jnp.float32)))
         axes = _spec_axis_names(spec)
-        total = total + (jax.lax.psum(sq, axes) if axes else sq)
-    return total
+        by_axes[axes] = by_axes.get(axes, 0.0) + jnp.sum(jnp.square(leaf.astype(jnp.float32)))
+    return sum(jax.lax.psum(sq, axes) if axes else sq for axes, sq in by_axes.items())
 
 
 def fsdp_step(
@@ -298,7 +297,7 @@ def fsdp_step(
             # `grads` are this device's slices: the all_gathers' transposes reduce-scattered them.
             updates, opt_state = optimizer.update(grads, opt_state, params)
             model = eqx.apply_updates(model, updates)
-            grad_norm = jnp.sqrt(_global_sq_norm(grads, grad_specs, mesh))
+            grad_norm = jnp.sqrt(_global_sq_norm(grads, grad_specs))
             return model, opt_state, {"loss": loss, "grad_norm": grad_norm}
 
         return filter_shard_map(

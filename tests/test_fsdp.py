@@ -5,6 +5,7 @@ import functools
 import equinox as eqx
 import jax
 import numpy as np
+import optax
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -131,3 +132,17 @@ def test_errors():
     opt_state = opt.init(eqx.filter(model, eqx.is_inexact_array))
     with pytest.raises(ValueError, match="global batch size 12 is not divisible by the 8"):
         step(eqxpar.shard(model, mesh, specs), opt_state, token_batch(12, 0))
+
+
+def test_grad_norm_is_the_norm_of_the_whole_gradient():
+    from _gpt_reference import _reference_value_and_grad
+
+    batch = token_batch(8, 3)
+    _, grads = _reference_value_and_grad()(tiny_gpt(3), batch)
+    want = float(optax.global_norm(eqx.filter(grads, eqx.is_inexact_array)))
+    specs, step = cached_step((("fsdp", 2), ("model", 4)), (True, False))
+    model = tiny_gpt(3)
+    opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_inexact_array))
+    opt_state = eqxpar.shard(opt_state, step.mesh, optimizer_specs(OPTIMIZER, opt_state, model, specs))
+    _, _, metrics = step(eqxpar.shard(model, step.mesh, specs), opt_state, eqxpar.shard(batch, step.mesh, P("fsdp")))
+    np.testing.assert_allclose(float(metrics["grad_norm"]), want, rtol=1e-5)
