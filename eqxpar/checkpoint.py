@@ -191,6 +191,10 @@ def _restore_target(path, leaf) -> Any:
     where = _path_str(path)
     if isinstance(leaf, (np.ndarray, np.generic)):
         return np.asarray(leaf)
+    if _uncommitted(leaf):
+        # Read to the host; `_rebuild` puts it on the default device without committing it.
+        shape = jax.eval_shape(jax.random.key_data, leaf) if _is_key(leaf) else leaf
+        return np.empty(shape.shape, shape.dtype)
     sharding = getattr(leaf, "sharding", None)
     if sharding is None:
         raise ValueError(
@@ -205,6 +209,12 @@ def _restore_target(path, leaf) -> Any:
         # whose extra trailing dimension stays whole.
         return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+
+def _uncommitted(leaf: Any) -> bool:
+    """A jax.Array that was never placed explicitly (e.g. `jnp.zeros`, or a jit output of
+    such arrays): jit may move it to wherever a computation needs it."""
+    return isinstance(leaf, jax.Array) and not leaf.committed
 
 
 def _all_processes_agree(ok: bool) -> bool:
@@ -429,7 +439,10 @@ class Checkpointer:
         state saved under one mesh restores onto another (data parallel on 8 devices to
         tensor parallel, to a 2-D mesh, to one device): orbax reads, on each process, just
         the pieces its devices need. Values and dtypes come back bit for bit. Non-array
-        leaves (functions, Python numbers) are taken from `like`.
+        leaves (functions, Python numbers) are taken from `like`. An array of `like` that
+        was never placed explicitly (uncommitted: made by `jnp.zeros`, or by a `jit` of
+        such arrays, e.g. an optimizer's `init`) comes back uncommitted on the default
+        device, so that `jit` may move it next to arrays on a mesh as it would the original.
 
         With `step=None` (resuming) it takes the newest complete checkpoint. A newest
         checkpoint that cannot be read (truncated or corrupted files) is skipped with a
@@ -555,11 +568,13 @@ class Checkpointer:
         for (_, leaf), entry in zip(like_leaves, saved):
             if entry["kind"] == "static":
                 out.append(leaf)
-            elif entry["kind"] == "key":
-                impl = entry["dtype"][len("key<") : -1]
-                out.append(jax.random.wrap_key_data(next(arrays), impl=impl))
             else:
                 value = next(arrays)
+                if _uncommitted(leaf):  # uncommitted like the original, so jit may move it
+                    value = jax.device_put(value)
+                if entry["kind"] == "key":
+                    impl = entry["dtype"][len("key<") : -1]
+                    value = jax.random.wrap_key_data(value, impl=impl)
                 out.append(value[()] if isinstance(leaf, np.generic) else value)
         return jax.tree.unflatten(treedef, out)
 
