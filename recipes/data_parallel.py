@@ -13,6 +13,8 @@ Run (no accelerator needed: 8 CPU devices are simulated):
     python recipes/data_parallel.py --mesh data=1            # same final loss, one device
     python recipes/data_parallel.py --grad-accum 4           # 4 micro-batches per device
     python recipes/data_parallel.py --steps 100 --metrics-out /tmp/dp.json
+    python recipes/data_parallel.py --checkpoint-dir /tmp/dp --checkpoint-every 50 --resume
+                                         # checkpoints; run it again after a kill: it resumes
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from eqxpar.train import data_parallel_step, shard_batch
 
 
 @dataclasses.dataclass
-class Config:
+class Config(eqxpar.recipe.CheckpointFlags):  # + --checkpoint-dir, --checkpoint-every, --resume
     devices: int = dataclasses.field(default=8, metadata={"help": "simulated CPU devices"})
     mesh: str = dataclasses.field(default="data=8", metadata={"help": "the mesh, e.g. data=4"})
     steps: int = 500
@@ -83,6 +85,7 @@ def predict(model: eqx.nn.MLP, x: jax.Array) -> jax.Array:
 
 def main(argv=None) -> dict:
     cfg = eqxpar.recipe.parse_flags(Config, argv, description=__doc__.splitlines()[0])
+    ckpt = eqxpar.recipe.RecipeCheckpointer(cfg)  # checks the checkpoint flags; touches nothing yet
     eqxpar.simulate_cpu_devices(cfg.devices)  # before JAX touches a backend
     mesh = eqxpar.make_mesh(**eqxpar.parse_mesh(cfg.mesh))
 
@@ -96,8 +99,14 @@ def main(argv=None) -> dict:
     model, opt_state = eqxpar.shard((model, opt_state), mesh)
     step = make_train_step(cfg, mesh)
 
+    # With --checkpoint-dir: continue from the newest checkpoint (--resume), save every
+    # --checkpoint-every steps. The data order below depends on the step only, so a resumed
+    # run trains exactly as the run that was interrupted would have.
+    (model, opt_state), first_step, _ = ckpt.restore_or_start((model, opt_state))
+
     start = time.perf_counter()
-    bar = eqxpar.recipe.progress(range(cfg.steps), desc=f"data parallel ({cfg.mesh})")
+    metrics = None
+    bar = eqxpar.recipe.progress(range(first_step, cfg.steps), desc=f"data parallel ({cfg.mesh})")
     for i in bar:
         # Global batch i: a pure function of (seed, i), so a run resumed at step i sees the
         # same batches as one that never stopped.
@@ -107,9 +116,11 @@ def main(argv=None) -> dict:
         model, opt_state, metrics = step(model, opt_state, batch)
         if i % 20 == 0 or i == cfg.steps - 1:
             bar.set_postfix(loss=f"{float(metrics['loss']):.4f}", refresh=False)
+        ckpt.maybe_save(i + 1, (model, opt_state))
+    ckpt.close()
     seconds = time.perf_counter() - start
 
-    final_loss = float(metrics["loss"]) if cfg.steps else float("nan")
+    final_loss = float(metrics["loss"]) if metrics is not None else float("nan")  # nan: no step run
     test_accuracy = float(np.mean(np.asarray(predict(model, data.x_test)) == data.y_test))
     result = {
         "final_loss": final_loss,
@@ -121,6 +132,8 @@ def main(argv=None) -> dict:
         "grad_accum": cfg.grad_accum,
         "seed": cfg.seed,
         "train_seconds": seconds,
+        "resumed_from_step": first_step,
+        "param_digest": eqxpar.recipe.parameter_digest(model),  # equal digests: bitwise-equal parameters
     }
     if eqxpar.recipe.is_main_process():
         print(f"test accuracy: {test_accuracy:.2%} on {len(data.x_test)} held-out digits")

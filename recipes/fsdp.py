@@ -14,6 +14,7 @@ Run it (8 simulated CPU devices when there is no accelerator):
     python recipes/fsdp.py                          # fsdp=8
     python recipes/fsdp.py --mesh fsdp=2,model=4    # FSDP x tensor parallelism
     python recipes/fsdp.py --remat                  # gather again in the backward pass
+    python recipes/fsdp.py --checkpoint-dir /tmp/fsdp --checkpoint-every 100 --resume
 
 The same seed gives the same losses as hybrid_gpt.py on any mesh (up to float rounding).
 """
@@ -40,7 +41,7 @@ from eqxpar.train import optimizer_specs
 
 
 @dataclasses.dataclass
-class Config:
+class Config(eqxpar.recipe.CheckpointFlags):  # + --checkpoint-dir, --checkpoint-every, --resume
     devices: int = 8  # simulated CPU devices when there is no accelerator
     mesh: str = "fsdp=8"  # parameters, optimizer state and batch split over `fsdp`; optional `model` axis
     steps: int = 400
@@ -59,6 +60,7 @@ def main(argv=None) -> dict:
     cfg = eqxpar.recipe.parse_flags(Config, argv)
     if cfg.steps < 1 or cfg.batch_size < 1 or cfg.context < 1:
         raise ValueError("--steps, --batch-size and --context must be at least 1.")
+    ckpt = eqxpar.recipe.RecipeCheckpointer(cfg)  # checks the checkpoint flags; touches nothing yet
     eqxpar.simulate_cpu_devices(cfg.devices)  # before JAX touches a backend
 
     # --- Mesh: `fsdp` splits parameters, optimizer state and batch; `model` (optional,
@@ -106,21 +108,28 @@ def main(argv=None) -> dict:
     if eqxpar.recipe.is_main_process():
         print(f"collectives of one train step (per device):\n{comm}\n")
 
+    # --- Checkpoints (--checkpoint-dir, --checkpoint-every, --resume): the state as it is
+    # split, and the loss history. Batches and keys depend on (seed, step) only, so a
+    # resumed run continues exactly as the interrupted one would have. ---
+    (model, opt_state, train_key), first_step, history = ckpt.restore_or_start((model, opt_state, train_key))
+    losses = history["losses"] if history else []
+
     # --- Training loop. ---
-    losses = []
     tokens_per_step = cfg.batch_size * cfg.context
     started = None
-    bar = eqxpar.recipe.progress(range(cfg.steps), desc=f"fsdp {cfg.mesh}{' remat' if cfg.remat else ''}")
+    bar = eqxpar.recipe.progress(range(first_step, cfg.steps), desc=f"fsdp {cfg.mesh}{' remat' if cfg.remat else ''}")
     for i in bar:
         model, opt_state, metrics = step(model, opt_state, batch(i), jax.random.fold_in(train_key, i))
         losses.append(float(metrics["loss"]))
-        if i == 0:
+        if i == first_step:
             started = time.perf_counter()  # the first step includes compiling
         if i % 10 == 0 or i == cfg.steps - 1:
-            rate = tokens_per_step * i / (time.perf_counter() - started) if i else 0.0
+            rate = tokens_per_step * (i - first_step) / (time.perf_counter() - started) if i > first_step else 0.0
             bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{rate:,.0f}")
-    elapsed = time.perf_counter() - started
-    tokens_per_second = tokens_per_step * (cfg.steps - 1) / elapsed if cfg.steps > 1 else float("nan")
+        ckpt.maybe_save(i + 1, (model, opt_state, train_key), data={"losses": losses})
+    ckpt.close()
+    timed_steps = cfg.steps - first_step - 1
+    tokens_per_second = tokens_per_step * timed_steps / (time.perf_counter() - started) if timed_steps > 0 else float("nan")
 
     metrics = {
         "mesh": cfg.mesh,
@@ -136,6 +145,8 @@ def main(argv=None) -> dict:
         "all_gathers_per_step": comm.count("all-gather"),
         "all_gathers_per_step_lowered": comm.count("all-gather", stage="lowered"),
         "reduce_scatters_per_step": comm.count("reduce-scatter"),
+        "resumed_from_step": first_step,
+        "param_digest": eqxpar.recipe.parameter_digest(model),  # of the whole (gathered) weights
     }
     if eqxpar.recipe.is_main_process():
         print(

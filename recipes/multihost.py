@@ -15,6 +15,10 @@ with 8 devices, or one device:
     python recipes/multihost.py                       # one process, 8 devices
     python recipes/multihost.py --mesh data=1         # one device: the same final loss
 
+With `--checkpoint-dir DIR --checkpoint-every N --resume`, every process saves its shards of
+the state into DIR (a folder all processes see) and a restarted job continues from the newest
+checkpoint, with any number of processes.
+
 On a SLURM cluster, one process per node (or per GPU): `srun python recipes/multihost.py`.
 Under the launcher, `--devices-per-proc` sets each process's CPU devices and `--devices`
 is ignored.
@@ -40,7 +44,7 @@ from eqxpar.train import data_parallel_step
 
 
 @dataclasses.dataclass
-class Config:
+class Config(eqxpar.recipe.CheckpointFlags):  # + --checkpoint-dir, --checkpoint-every, --resume
     devices: int = dataclasses.field(
         default=8, metadata={"help": "simulated CPU devices of this process (the launcher's --devices-per-proc wins)"}
     )
@@ -79,6 +83,7 @@ def accuracy(model: eqx.nn.MLP, x: jax.Array, y: jax.Array) -> jax.Array:
 
 def main(argv=None) -> dict:
     cfg = eqxpar.recipe.parse_flags(Config, argv, description=__doc__.splitlines()[0])
+    ckpt = eqxpar.recipe.RecipeCheckpointer(cfg)  # checks the checkpoint flags; touches nothing yet
     # 1. Join the job: reads the launcher's (or SLURM's) settings; a no-op for one process.
     #    It must come before anything touches a JAX backend.
     info = eqxpar.distributed.initialize(cpu_devices=cfg.devices)
@@ -113,17 +118,25 @@ def main(argv=None) -> dict:
     # The silent failure of multi-host loading is wrong rows without an error: check once.
     eqxpar.data.check_batch_consistency(load(0), mesh, "data")
 
+    # 5. Checkpoints (--checkpoint-dir, --checkpoint-every, --resume): every process makes the
+    #    same calls; each writes and reads its own devices' shards. Batch i is load(i), a
+    #    function of (seed, i): a resumed run sees the batches the interrupted one would have.
+    (model, opt_state), first_step, _ = ckpt.restore_or_start((model, opt_state))
+
     start = time.perf_counter()
-    bar = eqxpar.recipe.progress(range(cfg.steps), desc=f"multihost ({info.num_processes} process(es))")
+    metrics = None
+    bar = eqxpar.recipe.progress(range(first_step, cfg.steps), desc=f"multihost ({info.num_processes} process(es))")
     for i in bar:
         model, opt_state, metrics = step(model, opt_state, load(i))
         if i % 20 == 0 or i == cfg.steps - 1:
             bar.set_postfix(loss=f"{float(metrics['loss']):.4f}", refresh=False)
+        ckpt.maybe_save(i + 1, (model, opt_state))
+    ckpt.close()
     seconds = time.perf_counter() - start
 
     # The loss and the model are replicated on every device of every process, so every
     # process can read them; only process 0 prints and writes.
-    final_loss = float(metrics["loss"]) if cfg.steps else float("nan")
+    final_loss = float(metrics["loss"]) if metrics is not None else float("nan")  # nan: no step run
     x_test, y_test = eqxpar.shard((data.x_test, data.y_test), mesh)
     test_accuracy = float(accuracy(model, x_test, y_test))
     result = {
@@ -135,6 +148,8 @@ def main(argv=None) -> dict:
         "batch_size": cfg.batch_size,
         "seed": cfg.seed,
         "train_seconds": seconds,
+        "resumed_from_step": first_step,
+        "param_digest": eqxpar.recipe.parameter_digest(model),  # every process takes part (a gather)
     }
     eqxpar.distributed.print_main(
         f"multihost: {info.num_processes} process(es) x {jax.local_device_count()} devices, mesh "

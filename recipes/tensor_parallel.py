@@ -12,6 +12,7 @@ Run it:
     python recipes/tensor_parallel.py                  # 8 simulated CPU devices, model=8
     python recipes/tensor_parallel.py --mesh model=1   # the same model, densely
     python recipes/tensor_parallel.py --steps 50 --metrics-out /tmp/tp.json
+    python recipes/tensor_parallel.py --checkpoint-dir /tmp/tp --checkpoint-every 100 --resume
 
 The same seed gives the same losses for every model axis size (up to float rounding).
 """
@@ -31,13 +32,13 @@ from jax.sharding import PartitionSpec as P
 import eqxpar
 import eqxpar.nn
 import eqxpar.recipe
-from eqxpar.datasets import python_source_text
+from eqxpar.datasets import python_source_text, text_windows
 from eqxpar.inspect import CommReport
 from eqxpar.models import GPT, generate, next_token_loss
 
 
 @dataclasses.dataclass
-class Config:
+class Config(eqxpar.recipe.CheckpointFlags):  # + --checkpoint-dir, --checkpoint-every, --resume
     devices: int = 8  # simulated CPU devices when there is no accelerator
     mesh: str = "model=8"  # only a `model` axis: every device holds 1/N of each big layer
     steps: int = 600
@@ -62,13 +63,13 @@ def main(argv=None) -> dict:
     cfg = eqxpar.recipe.parse_flags(Config, argv)
     if cfg.steps < 1 or cfg.batch_size < 1 or cfg.context < 1:
         raise ValueError("--steps, --batch-size and --context must be at least 1.")
+    ckpt = eqxpar.recipe.RecipeCheckpointer(cfg)  # checks the checkpoint flags; touches nothing yet
     eqxpar.simulate_cpu_devices(cfg.devices)  # before JAX touches a backend
 
     # --- Data: characters of some standard-library modules; the last 10% held out. ---
     text = python_source_text()
     split = int(0.9 * len(text.ids))
     train_ids, val_ids = text.ids[:split], text.ids[split:]
-    rng = np.random.default_rng(cfg.seed)
 
     # --- Mesh and model: a GPT built in global form, then split over `model`. ---
     sizes = eqxpar.parse_mesh(cfg.mesh)
@@ -111,22 +112,27 @@ def main(argv=None) -> dict:
         )
     )
 
+    # Checkpoints (--checkpoint-dir, --checkpoint-every, --resume): the model (split as it
+    # is), the optimizer state and the key; the loss history rides along as JSON.
+    (model, opt_state, train_key), first_step, history = ckpt.restore_or_start((model, opt_state, train_key))
+    losses = history["losses"] if history else []
+
     # Compile the step once, ahead of time, and read what it communicates from the program.
     example = np.zeros((cfg.batch_size, cfg.context + 1), np.int32)
     lowered = train_step.lower(model, opt_state, example, train_key)
     train_step = lowered.compile()
     comm = CommReport.of(lowered, train_step)
 
-    # --- Training loop. ---
-    losses = []
-    bar = eqxpar.recipe.progress(range(cfg.steps), desc=f"tensor parallel {cfg.mesh}")
+    # --- Training loop. Batch and dropout key of each step depend on (seed, step) only. ---
+    bar = eqxpar.recipe.progress(range(first_step, cfg.steps), desc=f"tensor parallel {cfg.mesh}")
     for step in bar:
-        starts = rng.integers(0, split - cfg.context - 1, cfg.batch_size)
-        tokens = batch_of_windows(train_ids, starts, cfg.context)
+        tokens = text_windows(train_ids, cfg.batch_size, cfg.context, seed=cfg.seed, step=step)
         model, opt_state, loss = train_step(model, opt_state, tokens, jax.random.fold_in(train_key, step))
         losses.append(float(loss))
         if step % 10 == 0 or step == cfg.steps - 1:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        ckpt.maybe_save(step + 1, (model, opt_state, train_key), data={"losses": losses})
+    ckpt.close()
 
     # --- Final check: held-out loss, and a sample from the trained model. ---
     val_rng = np.random.default_rng(1234)  # the same validation windows for every run
@@ -157,6 +163,8 @@ def main(argv=None) -> dict:
         "all_reduces_per_step": comm.count("all-reduce"),
         "all_reduce_bytes_per_step": comm.bytes("all-reduce"),
         "sample": text.decode(sample),
+        "resumed_from_step": first_step,
+        "param_digest": eqxpar.recipe.parameter_digest(model),  # of the whole (gathered) weights
     }
     if eqxpar.recipe.is_main_process():
         print(f"\ncollectives of one train step (per device):\n{comm}\n")
