@@ -190,7 +190,7 @@ def test_resume_with_other_flags_warns(tmp_path):
 def test_bad_checkpoint_flags(tmp_path, flags, message):
     with pytest.raises(ValueError, match=message):
         run_recipe("data_parallel", tmp_path, *flags)
-    assert not os.path.exists(os.path.join(ROOT, "somewhere"))
+    assert not os.path.exists("somewhere")  # refused before anything was created
 
 
 def test_recipe_checkpointer_needs_the_flags():
