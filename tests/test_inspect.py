@@ -15,7 +15,7 @@ def _mapped(fn, mesh, in_spec, out_spec=P()):
     return eqxpar.filter_shard_map(fn, mesh=mesh, in_specs=(in_spec,), out_specs=out_spec)
 
 
-def test_every_kind_with_its_result_size():
+def test_every_kind_with_its_size():
     mesh = eqxpar.make_mesh(model=4)
 
     def local(x):  # x: this device's (8, 4) block
@@ -29,7 +29,11 @@ def test_every_kind_with_its_result_size():
 
     x = jnp.arange(32 * 4, dtype=jnp.float32).reshape(32, 4)
     report = communication_report(_mapped(local, mesh, P("model"), P("model")), x)
-    want_elements = {"all-reduce": 32, "all-gather": 128, "reduce-scatter": 8, "all-to-all": 32, "collective-permute": 32}
+    # The bytes convention: all-gather the gathered result, reduce-scatter the full operand
+    # each device contributes (32 elements; it keeps 8), the others the array itself.
+    want_elements = {"all-reduce": 32, "all-gather": 128, "reduce-scatter": 32, "all-to-all": 32, "collective-permute": 32}
+    (scatter,) = report.collectives("reduce-scatter", stage="lowered")
+    assert scatter.result_elements == 8 and scatter.result_bytes == 32
     for kind, elements in want_elements.items():
         assert report.count(kind, stage="lowered") == 1, (kind, str(report))
         assert report.elements(kind, stage="lowered") == elements
