@@ -13,7 +13,7 @@ from . import nn  # tensor-parallel layers: eqxpar.nn.ParallelMLP, ...
 from . import inspect  # what a compiled function communicates
 from . import models  # a small GPT built from eqxpar.nn layers
 from . import fsdp  # fully sharded data parallelism: eqxpar.fsdp.fsdp_step
-from .inspect import communication_report
+from .inspect import communication_report, memory_report
 from ._sharding import (
     ShardingReport,
     broadcast_specs,
@@ -37,6 +37,7 @@ __all__ = [
     "broadcast_specs",
     "validate_spec",
     "communication_report",
+    "memory_report",
 ]
 
 # Submodules whose dependencies are optional extras load on first use, so that a plain

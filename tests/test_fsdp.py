@@ -99,11 +99,13 @@ def test_collectives_are_gathers_forward_and_reduce_scatters_backward():
         # One all-gather of every parameter forward, one reduce-scatter of every gradient.
         assert report.count("all-gather", stage=stage) == len(split)
         assert report.count("reduce-scatter", stage=stage) == len(split)
-    # The whole gradient, once: the reduce-scatters' results are this device's slices of
-    # every parameter, i.e. exactly the parameter bytes it stores.
+    # The whole gradient, once. A reduce-scatter counts its operand (eqxpar.inspect's
+    # convention): each device's model block of every gradient, i.e. fsdp=2 times the
+    # slices it stores; its results are exactly those stored slices.
     mesh = eqxpar.make_mesh(fsdp=2, model=4)
     stored = eqxpar.sharding_report(eqxpar.shard(tiny_gpt(0), mesh, _report_specs())).bytes_per_device
-    assert report.bytes("reduce-scatter") == stored
+    assert report.bytes("reduce-scatter") == 2 * stored
+    assert sum(c.result_bytes for c in report.collectives("reduce-scatter")) == stored
 
 
 def test_remat_regathers_in_the_backward_pass_of_the_lowered_program():
