@@ -41,6 +41,7 @@ __all__ = [
     "CheckpointFlags",
     "RecipeCheckpointer",
     "parameter_digest",
+    "Throughput",
 ]
 
 C = TypeVar("C")
@@ -141,6 +142,41 @@ def progress(iterable: Iterable, *, total: int | None = None, desc: str = "train
         set_postfix = bar.set_postfix
         bar.set_postfix = lambda *args, refresh=False, **kw: set_postfix(*args, refresh=refresh, **kw)
     return bar
+
+
+class Throughput:
+    """Items (tokens, examples) per second over a training loop, leaving out its first step.
+
+    The first step includes compiling; timing starts when it ends. Call `tick()` after each
+    step has finished (e.g. after reading its loss, which waits for it).
+
+    **Arguments:**
+
+    - `per_step`: items each step processes (e.g. `batch_size * context` tokens).
+    """
+
+    def __init__(self, per_step: int):
+        self.per_step = per_step
+        self._started: float | None = None
+        self._steps = 0
+
+    def tick(self) -> None:
+        """Count one finished step."""
+        import time
+
+        if self._started is None:
+            self._started = time.perf_counter()
+        else:
+            self._steps += 1
+
+    @property
+    def per_second(self) -> float:
+        """Items per second since the first step ended (NaN before a second step)."""
+        import time
+
+        if not self._steps:
+            return float("nan")
+        return self.per_step * self._steps / (time.perf_counter() - self._started)
 
 
 def write_metrics(path: str | os.PathLike | None, metrics: Mapping[str, Any]) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 
 import equinox as eqx
 import jax
@@ -119,21 +118,17 @@ def main(argv=None) -> dict:
     losses = history["losses"] if history else []
 
     # --- Training loop. ---
-    tokens_per_step = cfg.batch_size * cfg.context
-    started = None
+    throughput = eqxpar.recipe.Throughput(cfg.batch_size * cfg.context)  # tokens per second
     bar = eqxpar.recipe.progress(range(first_step, cfg.steps), desc=f"hybrid {cfg.mesh}")
     for i in bar:
         model, opt_state, metrics = step(model, opt_state, batch(i), jax.random.fold_in(train_key, i))
         losses.append(float(metrics["loss"]))  # waits for the step: honest timing
-        if i == first_step:
-            started = time.perf_counter()  # the first step includes compiling
+        throughput.tick()
         if i % 10 == 0 or i == cfg.steps - 1:
-            rate = tokens_per_step * (i - first_step) / (time.perf_counter() - started) if i > first_step else 0.0
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{rate:,.0f}")
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{throughput.per_second:,.0f}")
         ckpt.maybe_save(i + 1, (model, opt_state, train_key), data={"losses": losses})
     ckpt.close()
-    timed_steps = cfg.steps - first_step - 1
-    tokens_per_second = tokens_per_step * timed_steps / (time.perf_counter() - started) if timed_steps > 0 else float("nan")
+    tokens_per_second = throughput.per_second
 
     # --- Final check: held-out loss, and a sample from the trained model. ---
     evaluate = eqx.filter_jit(
