@@ -74,7 +74,6 @@ def filter_shard_map(
     if not isinstance(mesh, Mesh):
         raise ValueError(f"filter_shard_map: mesh must be a jax.sharding.Mesh, got {type(mesh)}.")
 
-    @functools.wraps(fn)
     def mapped(*args, **kwargs):
         if kwargs:
             raise ValueError(
@@ -128,6 +127,12 @@ def filter_shard_map(
         )(dynamic)
         return eqx.combine(out_dyn, static_out[-1])
 
+    # Name and docstring only: copying `fn`'s attributes (functools.wraps) would hand an
+    # Equinox transform's internals (e.g. of eqx.filter_grad) to eqx.filter_jit, which then
+    # warns that a JAX-transformed callable is stored on it.
+    mapped.__name__ = getattr(fn, "__name__", "filter_shard_map")
+    mapped.__qualname__ = getattr(fn, "__qualname__", mapped.__name__)
+    mapped.__doc__ = getattr(fn, "__doc__", None)
     return mapped
 
 

@@ -119,3 +119,14 @@ def test_explicit_mesh_needs_placed_inputs():
     with pytest.raises(ValueError, match="Explicit axes.*eqxpar.shard"):
         f(jnp.ones((8, 2)))
     np.testing.assert_array_equal(np.asarray(f(eqxpar.shard(jnp.ones((8, 2)), mesh, P("data")))), 2 * np.ones((8, 2)))
+
+
+def test_wrapping_an_equinox_transform_under_filter_jit_gives_no_warning():
+    import warnings
+
+    mesh = eqxpar.make_mesh(data=2)
+    grad = eqx.filter_grad(lambda w, x: jax.lax.psum(jnp.sum(w * x), "data"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        f = eqx.filter_jit(eqxpar.filter_shard_map(grad, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
+    np.testing.assert_allclose(np.asarray(f(jnp.ones(3), jnp.ones((2, 3)))), [2.0, 2.0, 2.0])
