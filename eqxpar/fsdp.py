@@ -34,7 +34,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, PyTree
 
 from ._shard_map import filter_shard_map
-from ._sharding import _is_spec, broadcast_specs, validate_spec
+from ._sharding import broadcast_specs, validate_spec
 from .train import (
     LossFn,
     TrainStep,
@@ -127,10 +127,10 @@ def _add_fsdp(entries: list, shape, mesh: Mesh, axis: str, n: int) -> list:
     return entries
 
 
-def _fsdp_dims(param_specs: PyTree, model: PyTree, axis: str) -> list[int | None]:
-    """Per model leaf: the dimension split over `axis`, or None."""
+def _fsdp_dims(flat_specs: Sequence[PartitionSpec], model: PyTree, axis: str) -> list[int | None]:
+    """Per model leaf (given one spec per leaf): the dimension split over `axis`, or None."""
     dims = []
-    for spec, leaf in zip(broadcast_specs(param_specs, model, what="param_specs"), jax.tree.leaves(model)):
+    for spec, leaf in zip(flat_specs, jax.tree.leaves(model)):
         if not eqx.is_inexact_array(leaf):
             dims.append(None)
             continue
@@ -277,7 +277,7 @@ def fsdp_step(
     def build(model, opt_state):
         model_specs = _full_specs(param_specs, model, mesh, "param_specs")
         flat_specs = jax.tree.leaves(model_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-        dims = _fsdp_dims(param_specs, model, fsdp_axis)
+        dims = _fsdp_dims(flat_specs, model, fsdp_axis)
         grad_specs = [s for s, x in zip(flat_specs, jax.tree.leaves(model)) if eqx.is_inexact_array(x)]
         opt_specs = optimizer_specs(optimizer, opt_state, model, model_specs)
 

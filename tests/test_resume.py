@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _recipes import load_recipe, run_recipe
+from _recipes import run_recipe
 
 import eqxpar
 import eqxpar.recipe
