@@ -33,11 +33,14 @@ docs: $(STAMP)
 	MPLBACKEND=Agg $(PY) docs/figures/make_figures.py
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
-# Re-run the training recipes (fewer steps than their defaults) and keep their per-step losses.
+# Re-run the training recipes (fewer steps than their defaults) and keep their per-step losses;
+# hybrid_gpt also with --dtype float32 and bfloat16, same seed (docs/data/losses/precision/).
 figures: $(STAMP)
 	$(PY) docs/figures/record_losses.py data_parallel --steps 200
 	$(PY) docs/figures/record_losses.py tensor_parallel --steps 150
 	$(PY) docs/figures/record_losses.py hybrid_gpt --steps 150
+	$(PY) docs/figures/record_losses.py --save-as precision/hybrid_gpt_float32 hybrid_gpt --steps 300 --dtype float32 --sample-chars 0
+	$(PY) docs/figures/record_losses.py --save-as precision/hybrid_gpt_bfloat16 hybrid_gpt --steps 300 --dtype bfloat16 --sample-chars 0
 	$(PY) docs/figures/record_losses.py fsdp --steps 150
 	$(PY) docs/figures/record_losses.py your_model --steps 40
 	$(PY) -m eqxpar.launch --nproc 2 --devices-per-proc 4 docs/figures/record_losses.py multihost --steps 150

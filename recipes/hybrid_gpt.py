@@ -28,7 +28,6 @@ import math
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
@@ -43,7 +42,7 @@ from eqxpar.train import hybrid_step
 
 
 @dataclasses.dataclass
-class Config(eqxpar.recipe.CheckpointFlags):  # + --checkpoint-dir, --checkpoint-every, --resume
+class Config(eqxpar.recipe.CheckpointFlags, eqxpar.recipe.GPTFlags):  # + checkpoint flags, --config/--dtype/--attention/--remat/--scan-layers
     devices: int = 8  # simulated CPU devices when there is no accelerator
     mesh: str = "auto"  # batch split over `data`, layers over `model`, e.g. data=2,model=4; auto: fit the devices
     steps: int = 800  # training steps
@@ -56,28 +55,17 @@ class Config(eqxpar.recipe.CheckpointFlags):  # + --checkpoint-dir, --checkpoint
     seed: int = 0  # seeds the weights, the batches and the sample
     sample_chars: int = 200  # characters sampled at the end; 0: no sample
     metrics_out: str | None = None  # write the results as JSON here
-    config: str = "custom"  # a named GPT size (10m, 124m, 1.3b) in place of --context/--dim/--heads/--layers; custom: those flags
-    dtype: str = "float32"  # compute dtype: float32, or bfloat16 (float32 master weights, float32 gradient sums)
-    attention: str = "dot_product"  # dot_product (jax.nn.dot_product_attention, cuDNN flash attention on GPU) or reference
-    remat: str = "none"  # what the backward pass recomputes: none, block or save_matmuls
-    scan_layers: bool = False  # stack the blocks and run them with jax.lax.scan (one compiled block at any depth)
 
 
 def check_flags(cfg: Config) -> Config:
     """Every check of the flags, before anything compiles; returns `cfg` with its mesh chosen."""
-    choices = {"dtype": ("float32", "bfloat16"), "attention": ("dot_product", "reference"), "remat": ("none", "block", "save_matmuls"),
-               "config": ("custom", *eqxpar.models.GPT_CONFIGS)}
-    for name, allowed in choices.items():
-        if getattr(cfg, name) not in allowed:
-            raise ValueError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(cfg, name)!r}.")
-    if cfg.config != "custom":  # a named size sets the model's shape
-        cfg = dataclasses.replace(cfg, **dataclasses.asdict(eqxpar.models.gpt_config(cfg.config)))
+    eqxpar.simulate_cpu_devices(cfg.devices)  # before JAX touches a backend
+    cfg = eqxpar.recipe.check_gpt_flags(cfg)  # --dtype, --attention, --remat; --config sets the shape
     eqxpar.recipe.require_positive(cfg, "steps", "batch_size", "context", "dim", "heads", "layers")
     if not cfg.learning_rate > 0:
         raise ValueError(f"--learning-rate must be positive, got {cfg.learning_rate}.")
     if cfg.dim % cfg.heads:
         raise ValueError(f"--dim {cfg.dim} is not divisible by --heads {cfg.heads}: every head needs the same width.")
-    eqxpar.simulate_cpu_devices(cfg.devices)  # before JAX touches a backend
     # The data axis splits the batch (every replica the same number of sequences), the
     # model axis the layers (every device the same number of heads).
     sizes = eqxpar.recipe.mesh_from_flag(
@@ -125,8 +113,7 @@ def main(argv=None) -> dict:
 
     # Mixed precision: bfloat16 matmuls on float32 master weights; the loss and the
     # gradient sums stay float32.
-    precision = eqxpar.train.Precision(compute_dtype=jnp.bfloat16 if cfg.dtype == "bfloat16" else None)
-    step = hybrid_step(loss_fn, optimizer, mesh, param_specs=specs, batch_axis="data", model_axis="model", precision=precision)
+    step = hybrid_step(loss_fn, optimizer, mesh, param_specs=specs, batch_axis="data", model_axis="model", precision=cfg.precision())
     model, opt_state = step.init(model)  # the model split by `specs`, AdamW's state beside it
 
     def batch(i: int):
@@ -183,11 +170,9 @@ def main(argv=None) -> dict:
         "final_loss_mean10": float(np.mean(losses[-10:])),
         "val_loss": val_loss,
         "uniform_loss": math.log(text.vocab_size),  # guessing every character equally
-        "tokens_per_second": tokens_per_second,
-        "flops_per_token": flops_per_token,
-        "flops_per_second": tokens_per_second * flops_per_token,
-        # Model FLOPs utilisation against the chips' peak; null where the peak is unknown (CPU).
-        "mfu": eqxpar.inspect.mfu(tokens_per_second, flops_per_token, mesh.size, jax.devices()[0], jnp.dtype(cfg.dtype)),
+        # tokens_per_second, flops_per_token, flops_per_second, and the model FLOPs
+        # utilisation against the chips' peak (mfu; null where the peak is unknown: CPU).
+        **eqxpar.recipe.speed_metrics(tokens_per_second, flops_per_token, mesh.size, cfg.dtype),
         "config": cfg.config,
         "dtype": cfg.dtype,
         "attention": cfg.attention,

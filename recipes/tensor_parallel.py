@@ -13,9 +13,13 @@ Run it:
     python recipes/tensor_parallel.py --mesh model=1   # the same model, densely
     python recipes/tensor_parallel.py --devices 1      # a one-device machine (--mesh auto: model=1)
     python recipes/tensor_parallel.py --steps 50 --metrics-out /tmp/tp.json
+    python recipes/tensor_parallel.py --dtype bfloat16 --remat block --scan-layers
+    python recipes/tensor_parallel.py --config 124m --devices 1   # GPT-2 small's shape (a GPU)
     python recipes/tensor_parallel.py --checkpoint-dir /tmp/tp --checkpoint-every 100 --resume
 
 The same seed gives the same losses for every model axis size (up to float rounding).
+`--attention`, `--remat` and `--scan-layers` change how the model computes, not what;
+`--dtype bfloat16` computes in bfloat16 on float32 weights (a stated tolerance away).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from eqxpar.models import GPT, generate, next_token_loss
 
 
 @dataclasses.dataclass
-class Config(eqxpar.recipe.CheckpointFlags):  # + --checkpoint-dir, --checkpoint-every, --resume
+class Config(eqxpar.recipe.CheckpointFlags, eqxpar.recipe.GPTFlags):  # + checkpoint flags, --config/--dtype/--attention/--remat/--scan-layers
     devices: int = 8  # simulated CPU devices when there is no accelerator
     mesh: str = "auto"  # a `model` axis, e.g. model=4 (1/N of each big layer per device); auto: fit the devices
     steps: int = 600  # training steps
@@ -62,12 +66,13 @@ def batch_of_windows(ids: np.ndarray, starts: np.ndarray, context: int) -> np.nd
 
 def check_flags(cfg: Config) -> Config:
     """Every check of the flags, before anything compiles; returns `cfg` with its mesh chosen."""
+    eqxpar.simulate_cpu_devices(cfg.devices)  # before JAX touches a backend
+    cfg = eqxpar.recipe.check_gpt_flags(cfg)  # --dtype, --attention, --remat; --config sets the shape
     eqxpar.recipe.require_positive(cfg, "steps", "batch_size", "context", "dim", "heads", "layers")
     if cfg.dim % cfg.heads:
         raise ValueError(f"--dim {cfg.dim} is not divisible by --heads {cfg.heads}: every head needs the same width.")
     if not 0 <= cfg.dropout < 1 or cfg.sample_chars < 0:
         raise ValueError(f"--dropout must be in [0, 1) and --sample-chars at least 0, got {cfg.dropout}, {cfg.sample_chars}.")
-    eqxpar.simulate_cpu_devices(cfg.devices)  # before JAX touches a backend
     sizes = eqxpar.recipe.mesh_from_flag(cfg.mesh, {"model": 8}, divides={"model": {"--heads": cfg.heads}})
     return dataclasses.replace(cfg, mesh=eqxpar.recipe.mesh_text(sizes))
 
@@ -77,7 +82,7 @@ def main(argv=None) -> dict:
     # Checks --checkpoint-dir now, before anything compiles: checkpoints there need --resume,
     # and --resume needs the saved model's --context, --dim and --layers; else one line, exit 2.
     with eqxpar.recipe.flag_errors():
-        ckpt = eqxpar.checkpoint.Checkpointer.from_config(cfg, shape_fields=("context", "dim", "layers"))
+        ckpt = eqxpar.checkpoint.Checkpointer.from_config(cfg, shape_fields=("context", "dim", "layers", "scan_layers"))
 
     # --- Data: characters of some standard-library modules; the last 10% held out. ---
     text = python_source_text()
@@ -89,17 +94,28 @@ def main(argv=None) -> dict:
     model_key, train_key, sample_key = jax.random.split(jax.random.key(cfg.seed), 3)
     model = GPT(
         text.vocab_size, cfg.context, cfg.dim, cfg.heads, cfg.layers, dropout_p=cfg.dropout,
-        axis_name="model", key=model_key,
+        axis_name="model", key=model_key, attention_impl=cfg.attention, scan_layers=cfg.scan_layers, remat=cfg.remat,
     )
     specs = eqxpar.nn.partition_specs(model, mesh)  # checks heads/width/vocab divide
+    flops_per_token = eqxpar.models.gpt_flops_per_token(model)  # 6 N + attention, forward and backward
     model = eqxpar.shard(model, mesh, specs)
     params = eqxpar.sharding_report(model)
 
     # --- The parallel part: loss and gradients on each device, in shard_map. ---
     # Inside, each device holds its block of every split weight; the layers' psums and the
     # loss's pmax/psum are the only communication. Gradients come out split like the model.
+    # Mixed precision (--dtype bfloat16): the loss sees the float32 weights cast to bfloat16,
+    # so the matmuls and the activations' all-reduces run in bfloat16; the loss is float32,
+    # and the gradient, through the cast, comes back float32. (float32: no cast at all.)
+    precision = cfg.precision()
+
+    def loss_in_precision(model, tokens, key):
+        if not precision.is_identity:
+            model = jax.tree.map(precision.for_compute, model)
+        return next_token_loss(model, tokens, key=key).astype(np.float32)
+
     def local_loss_and_grads(model, tokens, key):
-        return eqx.filter_value_and_grad(next_token_loss)(model, tokens, key=key)
+        return eqx.filter_value_and_grad(loss_in_precision)(model, tokens, key)
 
     loss_and_grads = eqxpar.filter_shard_map(
         local_loss_and_grads, mesh=mesh, in_specs=(specs, P(), P()), out_specs=(P(), specs)
@@ -134,13 +150,15 @@ def main(argv=None) -> dict:
     comm = CommReport.of(lowered, train_step)
 
     # --- Training loop. Batch and dropout key of each step depend on (seed, step) only. ---
+    throughput = eqxpar.recipe.Throughput(cfg.batch_size * cfg.context)  # tokens per second
     bar = eqxpar.recipe.progress(range(first_step, cfg.steps), desc=f"tensor parallel {cfg.mesh}")
     for step in bar:
         tokens = text_windows(train_ids, cfg.batch_size, cfg.context, seed=cfg.seed, step=step)
         model, opt_state, loss = train_step(model, opt_state, tokens, jax.random.fold_in(train_key, step))
-        losses.append(float(loss))
+        losses.append(float(loss))  # waits for the step: honest timing
+        throughput.tick()
         if step % 10 == 0 or step == cfg.steps - 1:
-            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{throughput.per_second:,.0f}")
         ckpt.maybe_save(step + 1, (model, opt_state, train_key), data_state={"losses": losses}, force=step + 1 == cfg.steps)
     ckpt.close()
 
@@ -175,13 +193,24 @@ def main(argv=None) -> dict:
         "sample": text.decode(sample),
         "resumed_from_step": first_step,
         "param_digest": eqxpar.recipe.parameter_digest(model),  # of the whole (gathered) weights
+        "batch_size": cfg.batch_size,
+        # tokens_per_second, flops_per_token, flops_per_second, and the model FLOPs
+        # utilisation against the chips' peak (mfu; null where the peak is unknown: CPU).
+        **eqxpar.recipe.speed_metrics(throughput.per_second, flops_per_token, mesh.size, cfg.dtype),
+        "config": cfg.config,
+        "dtype": cfg.dtype,
+        "attention": cfg.attention,
+        "remat": cfg.remat,
+        "scan_layers": cfg.scan_layers,
     }
+    mfu_text = "" if metrics["mfu"] is None else f", MFU {metrics['mfu']:.1%}"
     if eqxpar.recipe.is_main_process():
         print(f"\ncollectives of one train step (per device):\n{comm}\n")
         print(f"sample:\n{metrics['sample']}\n")
         print(
             f"{cfg.mesh}: loss {metrics['first_loss']:.3f} -> {metrics['final_loss_mean10']:.3f} "
             f"(last 10 steps), held-out {val_loss:.3f} (uniform guessing: {metrics['uniform_loss']:.3f}); "
+            f"{metrics['tokens_per_second']:,.0f} tokens/s, {metrics['flops_per_second'] / 1e9:,.1f} GFLOP/s{mfu_text}; "
             f"parameters {params.bytes_per_device:,} of {params.bytes_total:,} bytes per device"
         )
     eqxpar.recipe.write_metrics(cfg.metrics_out, metrics)

@@ -16,6 +16,9 @@ simulated CPU devices:
   --devices-per-proc 4` run recorded in docs/data/losses/multihost.json (`make figures`);
 - `loss_<recipe>.png`: each training recipe's loss per step, from docs/data/losses/*.json
   (`make figures` re-runs the recipes to rewrite those: minutes, so not part of `make docs`);
+- `loss_precision.png`: the same recipe trained with `--dtype float32` and `--dtype
+  bfloat16` (same seed), both losses and their relative gap per step, from
+  docs/data/losses/precision/*.json (also written by `make figures`);
 - `bench_strategies.png`: the table of docs/benchmarks.md (`benchmarks/strategies.py`'s
   output, pasted there) as bar charts, parsed from the page itself.
 """
@@ -214,6 +217,47 @@ def loss_curves() -> None:
         save(fig, f"loss_{run['recipe']}.png")
 
 
+def precision_gaps(fp32: list[float], bf16: list[float]) -> dict[str, float]:
+    """The relative gap `|bf16 - fp32| / fp32` of two loss curves: its largest value over
+    the steps, at the last step, and of the means of the last 10 steps."""
+    import numpy as np
+
+    a, b = np.asarray(fp32, np.float64), np.asarray(bf16, np.float64)
+    if a.shape != b.shape or a.size < 10:
+        raise SystemExit(f"make_figures: the float32 and bfloat16 runs need the same steps (10 or more), got {a.size} and {b.size}")
+    gap = np.abs(b - a) / a
+    return {"max": float(gap.max()), "final": float(gap[-1]), "last10": float(abs(b[-10:].mean() - a[-10:].mean()) / a[-10:].mean())}
+
+
+def precision_curves() -> None:
+    runs = {}
+    for path in sorted((LOSSES / "precision").glob("*.json")):
+        run = json.loads(path.read_text())
+        runs[run["final_metrics"].get("dtype")] = run
+    if set(runs) != {"float32", "bfloat16"}:
+        raise SystemExit("make_figures: docs/data/losses/precision/ needs a float32 and a bfloat16 run: run `make figures`")
+    fp32, bf16 = runs["float32"], runs["bfloat16"]
+    gaps = precision_gaps(fp32["loss"], bf16["loss"])
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(6.4, 4.8), sharex=True, height_ratios=(2, 1))
+    for run, color in ((fp32, MODEL_COLORS[0]), (bf16, MODEL_COLORS[1])):
+        dtype = run["final_metrics"]["dtype"]
+        top.plot(run["steps"], run["loss"], color=color, lw=1.2, label=f"--dtype {dtype} (final {run['loss'][-1]:.3f})")
+    top.set_ylabel("training loss")
+    top.legend()
+    gap = [abs(b - a) / a for a, b in zip(fp32["loss"], bf16["loss"])]
+    bottom.plot(fp32["steps"], [100 * g for g in gap], color="#555555", lw=1)
+    bottom.set_ylabel("|bf16 - fp32| / fp32 (%)")
+    bottom.set_xlabel("step")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    command = fp32["command"].replace("--dtype float32", "--dtype {float32, bfloat16}")
+    top.set_title(
+        f"{command}\nrelative gap: max {gaps['max']:.2%} per step, "
+        f"{gaps['final']:.2%} at the last step, {gaps['last10']:.2%} on the last 10 steps' mean", fontsize=9,
+    )
+    save(fig, "loss_precision.png")
+
+
 # --- (f) benchmark bars ----------------------------------------------------------------------
 
 
@@ -301,7 +345,7 @@ def pipeline_schedules() -> None:
 def main() -> None:
     IMAGES.mkdir(exist_ok=True)
     only = set(sys.argv[1:])
-    for draw in (mesh_grid, column_row, collectives, two_hosts, loss_curves, benchmarks, architecture, pipeline_schedules):
+    for draw in (mesh_grid, column_row, collectives, two_hosts, loss_curves, precision_curves, benchmarks, architecture, pipeline_schedules):
         if not only or draw.__name__ in only:
             draw()
 

@@ -14,6 +14,12 @@ Usage (from the repository root):
 
     python docs/figures/record_losses.py hybrid_gpt --steps 120
     python -m eqxpar.launch --nproc 2 --devices-per-proc 4 docs/figures/record_losses.py multihost --steps 150
+    python docs/figures/record_losses.py --save-as precision/hybrid_gpt_bfloat16 hybrid_gpt --steps 300 --dtype bfloat16
+
+`--save-as NAME` (before the recipe) writes docs/data/losses/NAME.json instead of
+<recipe>.json: runs of one recipe with other flags, kept beside its own curve (the
+float32-vs-bfloat16 pair lives in docs/data/losses/precision/, which the per-recipe loss
+pictures leave alone).
 """
 
 from __future__ import annotations
@@ -127,9 +133,16 @@ def record(recipe: str, argv: list[str]) -> dict:
 
 
 def main() -> None:
-    if len(sys.argv) < 2:
+    args = sys.argv[1:]
+    name = None
+    if args[:1] == ["--save-as"]:
+        if len(args) < 2 or not args[1] or args[1].startswith("-") or pathlib.PurePath(args[1]).is_absolute() or ".." in pathlib.PurePath(args[1]).parts:
+            raise SystemExit("record_losses: --save-as needs a NAME inside docs/data/losses (e.g. precision/hybrid_gpt_bfloat16)")
+        name, args = args[1].removesuffix(".json"), args[2:]
+    if not args:
         raise SystemExit(__doc__)
-    recipe, argv = sys.argv[1], sys.argv[2:]
+    recipe, argv = args[0], args[1:]
+    name = name or recipe
     if not (ROOT / "recipes" / f"{recipe}.py").exists():
         raise SystemExit(f"record_losses: there is no recipes/{recipe}.py")
     result = record(recipe, argv)
@@ -137,7 +150,8 @@ def main() -> None:
 
     if jax.process_index() == 0:
         OUT.mkdir(parents=True, exist_ok=True)
-        path = OUT / f"{recipe}.json"
+        path = OUT / f"{name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
         result["loss"] = [float(f"{v:.6g}") for v in result["loss"]]
         lines = [f" {json.dumps(k)}: {json.dumps(v)}" for k, v in result.items()]  # one key a line
         path.write_text("{\n" + ",\n".join(lines) + "\n}\n")

@@ -16,8 +16,8 @@ from ..nn import ParallelMLP, ParallelMultiheadAttention
 
 __all__ = ["TransformerBlock", "layer_norm", "remat_wrapper", "split_keys", "REMAT_CHOICES"]
 
-Remat = Literal["none", "block", "save_matmuls"]
-REMAT_CHOICES = ("none", "block", "save_matmuls")
+Remat = Literal["none", "block", "save_matmuls", "offload"]
+REMAT_CHOICES = ("none", "block", "save_matmuls", "offload")
 
 
 def split_keys(key: PRNGKeyArray | None, n: int):
@@ -60,14 +60,41 @@ def remat_wrapper(remat: Remat) -> Callable[[Callable], Callable] | None:
     - `"block"`: keep only each block's input and recompute the rest
       (`jax.checkpoint_policies.nothing_saveable`; the block's forward collectives run again);
     - `"save_matmuls"`: keep the matmul outputs, recompute the cheap elementwise work
-      (`jax.checkpoint_policies.dots_saveable`).
+      (`jax.checkpoint_policies.dots_saveable`);
+    - `"offload"`: keep the same matmul outputs (those of the linear layers: matmuls
+      without batch dimensions), but in host memory: moved to `"pinned_host"` in the
+      forward pass and back in the backward pass
+      (`jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")`),
+      which frees device memory for the price of the transfers. Only on backends that
+      move arrays between memories inside a program: GPUs and TPUs. (JAX's CPU backend
+      lists a `"pinned_host"` memory, but compiles the moves away.)
+
+    **Raises:**
+
+    - `ValueError` for `"offload"` when the default backend (`jax.devices()[0]`) cannot
+      offload, naming it and the other choices; and for an unknown `remat`.
     """
     if remat == "none":
         return None
-    policy = {
-        "block": jax.checkpoint_policies.nothing_saveable,
-        "save_matmuls": jax.checkpoint_policies.dots_saveable,
-    }[remat]
+    if remat == "offload":
+        device = jax.devices()[0]
+        kinds = {memory.kind for memory in device.addressable_memories()}
+        if device.platform not in ("gpu", "tpu") or "pinned_host" not in kinds:
+            others = ", ".join(repr(choice) for choice in REMAT_CHOICES if choice != "offload")
+            raise ValueError(
+                f"remat='offload' keeps saved activations in host memory, which needs a GPU or "
+                f"TPU backend; the backend here is {device.platform!r} (JAX {jax.__version__}), "
+                f"which does not move arrays to the host inside a program. Use one of {others} "
+                f"('save_matmuls' keeps the same activations on the device)."
+            )
+        policy = jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+    elif remat in ("block", "save_matmuls"):
+        policy = {
+            "block": jax.checkpoint_policies.nothing_saveable,
+            "save_matmuls": jax.checkpoint_policies.dots_saveable,
+        }[remat]
+    else:
+        raise ValueError(f"remat must be one of {', '.join(map(repr, REMAT_CHOICES))}, got {remat!r}.")
     return functools.partial(eqx.filter_checkpoint, policy=policy)
 
 
