@@ -286,21 +286,24 @@ class Throughput:
     def __init__(self, per_step: int):
         self.per_step = per_step
         self._started: float | None = None
+        self._last: float | None = None
         self._steps = 0
 
     def tick(self) -> None:
         """Count one finished step."""
+        self._last = time.perf_counter()
         if self._started is None:
-            self._started = time.perf_counter()
+            self._started = self._last
         else:
             self._steps += 1
 
     @property
     def per_second(self) -> float:
-        """Items per second since the first step ended (NaN before a second step)."""
+        """Items per second from the end of the first step to the end of the last one
+        (NaN before a second step); what runs after the loop does not count."""
         if not self._steps:
             return float("nan")
-        return self.per_step * self._steps / (time.perf_counter() - self._started)
+        return self.per_step * self._steps / (self._last - self._started)
 
 
 def write_metrics(path: str | os.PathLike | None, metrics: Mapping[str, Any]) -> None:

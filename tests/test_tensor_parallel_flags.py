@@ -13,6 +13,7 @@
 
 import logging
 import re
+import time
 
 import equinox as eqx
 import jax
@@ -26,6 +27,7 @@ import eqxpar
 from eqxpar.datasets import python_source_text
 from eqxpar.models import GPT, GPT_CONFIGS, gpt_flops_per_token, next_token_loss
 from eqxpar.models._block import REMAT_CHOICES, remat_wrapper
+from eqxpar.recipe import Throughput
 from eqxpar.testing import assert_trees_close
 from eqxpar.train import hybrid_step, shard_batch
 
@@ -71,6 +73,17 @@ def test_bfloat16_run_stays_near_float32_and_every_run_reports_its_speed(default
         assert metrics["flops_per_second"] == pytest.approx(metrics["tokens_per_second"] * metrics["flops_per_token"])
         assert metrics["mfu"] is None  # no known peak for a CPU
     assert run["dtype"] == "bfloat16" and default_run["dtype"] == "float32"
+
+
+def test_throughput_ends_at_the_last_step():
+    """What runs after the training loop (evaluation, sampling) does not dilute tokens/s."""
+    meter = Throughput(per_step=100)
+    meter.tick()
+    time.sleep(0.02)
+    meter.tick()
+    rate = meter.per_second
+    time.sleep(0.05)
+    assert meter.per_second == rate and 0 < rate <= 100 / 0.02
 
 
 def test_config_flag_sets_the_shape_before_the_shape_checks():
