@@ -47,7 +47,10 @@ STRATEGIES = {  # --strategies takes the keys
     "tp": dict(label="TP model=8", mesh={"data": 1, "model": 8}, batch_axis="data"),
     "hybrid": dict(label="hybrid data=2,model=4", mesh={"data": 2, "model": 4}, batch_axis="data"),
     "fsdp": dict(label="FSDP fsdp=8", mesh={"fsdp": 8, "model": 1}, batch_axis="fsdp", fsdp=True),
+    # Not in the default list: one device, for a machine with one accelerator.
+    "single": dict(label="one device", mesh={"data": 1, "model": 1}, batch_axis="data"),
 }
+DEFAULT_STRATEGIES = ("dp", "tp", "hybrid", "fsdp")
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 TARGETS = {"time": 0.95, "bytes": 1.0, "temp": 1.0}
 
@@ -60,7 +63,8 @@ def parse(argv=None):
     parser.add_argument("--context", type=int, default=32, help="tokens per sequence")
     parser.add_argument("--batch", type=int, default=32, help="global batch (sequences per step)")
     parser.add_argument("--rounds", type=int, default=None, help="timed A/B rounds per strategy (15; --quick: 3)")
-    parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated: dp, tp, hybrid, fsdp")
+    parser.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
+                        help="comma-separated: dp, tp, hybrid, fsdp (default), single (one device)")
     parser.add_argument("--quick", action="store_true", help="tiny model, 3 rounds: a smoke test")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -138,24 +142,32 @@ def make_peer_loss(jax, jnp, P, mesh, *, vocab, batch_axis, model, eps=1e-5):
         return (x - mean) * jax.lax.rsqrt(var + eps) * w + b
 
     def loss(params, tokens):
+        # Named scopes as eqxpar's GPT names its layers (profile_step.py groups by them);
+        # they change only the HLO metadata, not the program.
+        scope = jax.named_scope
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         seq = inputs.shape[1]
-        x = jnp.take(params["wte"], inputs, axis=0) + params["wpe"][:seq]
-        x = constrain(x, P(batch_axis, None, None))
-        for layer in params["layers"]:
-            h = norm(x, layer["ln1_w"], layer["ln1_b"])
-            q, k, v = (constrain(jnp.einsum("btd,dhk->bthk", h, layer[w]), P(batch_axis, None, model, None))
-                       for w in ("wq", "wk", "wv"))
-            o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-            x = constrain(x + jnp.einsum("bthk,hkd->btd", o, layer["wo"]), P(batch_axis, None, None))
-            h = norm(x, layer["ln2_w"], layer["ln2_b"])
-            u = constrain(jax.nn.gelu(h @ layer["w1"] + layer["b1"]), P(batch_axis, None, model))
-            x = constrain(x + u @ layer["w2"] + layer["b2"], P(batch_axis, None, None))
-        logits = constrain(norm(x, params["lnf_w"], params["lnf_b"]) @ params["head"], P(batch_axis, None, model))
-        ids = jnp.arange(logits.shape[-1])
-        logits = jnp.where(ids < vocab, logits, -jnp.inf)  # the padding rows take no part
-        target_logit = jnp.sum(jnp.where(ids == targets[..., None], logits, 0.0), -1)  # no gather over vocab
-        return jnp.mean(jax.nn.logsumexp(logits, -1) - target_logit)
+        with scope("embedding"):
+            x = jnp.take(params["wte"], inputs, axis=0) + params["wpe"][:seq]
+            x = constrain(x, P(batch_axis, None, None))
+        for i, layer in enumerate(params["layers"]):
+            with scope(f"block_{i}"), scope("attention"):
+                h = norm(x, layer["ln1_w"], layer["ln1_b"])
+                q, k, v = (constrain(jnp.einsum("btd,dhk->bthk", h, layer[w]), P(batch_axis, None, model, None))
+                           for w in ("wq", "wk", "wv"))
+                o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+                x = constrain(x + jnp.einsum("bthk,hkd->btd", o, layer["wo"]), P(batch_axis, None, None))
+            with scope(f"block_{i}"), scope("mlp"):
+                h = norm(x, layer["ln2_w"], layer["ln2_b"])
+                u = constrain(jax.nn.gelu(h @ layer["w1"] + layer["b1"]), P(batch_axis, None, model))
+                x = constrain(x + u @ layer["w2"] + layer["b2"], P(batch_axis, None, None))
+        with scope("head"):
+            logits = constrain(norm(x, params["lnf_w"], params["lnf_b"]) @ params["head"], P(batch_axis, None, model))
+        with scope("loss"):
+            ids = jnp.arange(logits.shape[-1])
+            logits = jnp.where(ids < vocab, logits, -jnp.inf)  # the padding rows take no part
+            target_logit = jnp.sum(jnp.where(ids == targets[..., None], logits, 0.0), -1)  # no gather over vocab
+            return jnp.mean(jax.nn.logsumexp(logits, -1) - target_logit)
 
     return loss
 
@@ -217,68 +229,82 @@ def bytes_by_kind(report) -> dict:
     return out
 
 
-def main(argv=None) -> dict:
-    args = parse(argv)
-    source = source_version()  # before anything else is imported: the code measured
-    eqxpar.simulate_cpu_devices(8)
-    import equinox as eqx
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import optax
-    from jax.sharding import NamedSharding, PartitionSpec as P
+class Context:
+    """What every strategy shares: the modules, the GPT, the optimizer and the batches."""
 
-    from eqxpar.datasets import python_source_text
-    from eqxpar.inspect import CommReport
-    from eqxpar.models import GPT, next_token_loss
-    from eqxpar.nn import partition_specs
-    from eqxpar.train import fsdp_specs, fsdp_step, hybrid_step
+    def __init__(self, args):
+        import equinox as eqx
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        import optax
+        from jax.sharding import NamedSharding, PartitionSpec as P
 
-    text = python_source_text()
-    optimizer = optax.adam(1e-3)
-    rng = np.random.default_rng(0)
-    batches = []
-    for _ in range(4):
-        starts = rng.integers(0, len(text.ids) - args.context - 1, args.batch)
-        batches.append(np.stack([text.ids[s : s + args.context + 1] for s in starts]).astype(np.int32))
+        from eqxpar.datasets import python_source_text
+        from eqxpar.models import GPT, next_token_loss
 
-    def new_gpt():
-        return GPT(text.vocab_size, args.context, args.dim, args.heads, args.layers, key=jax.random.key(0))
+        self.args, self.jax, self.jnp, self.optax, self.eqx = args, jax, jnp, optax, eqx
+        self.NamedSharding, self.P = NamedSharding, P
+        self.text = python_source_text()
+        self.optimizer = optax.adam(1e-3)
+        rng = np.random.default_rng(0)
+        self.batches = []
+        for _ in range(4):
+            starts = rng.integers(0, len(self.text.ids) - args.context - 1, args.batch)
+            self.batches.append(np.stack([self.text.ids[s : s + args.context + 1] for s in starts]).astype(np.int32))
 
-    def loss_fn(model, tokens, key):
-        return next_token_loss(model, tokens, key=key)
+        def new_gpt():
+            return GPT(self.text.vocab_size, args.context, args.dim, args.heads, args.layers, key=jax.random.key(0))
 
-    gpt = new_gpt()
-    n_params = sum(x.size for x in jax.tree.leaves(eqx.filter(gpt, eqx.is_inexact_array)))
-    print(
-        f"GPT vocab={text.vocab_size} dim={args.dim} heads={args.heads} layers={args.layers} "
-        f"context={args.context}: {n_params:,} parameters; Adam; global batch {args.batch} x {args.context} "
-        f"tokens; {jax.device_count()} {jax.devices()[0].platform} devices; {args.rounds} A/B rounds\n"
-    )
-    results = {}
-    for key in args.strategies:
+        def loss_fn(model, tokens, key):
+            return next_token_loss(model, tokens, key=key)
+
+        self.new_gpt, self.loss_fn = new_gpt, loss_fn
+        self.gpt = new_gpt()
+        self.n_params = sum(x.size for x in jax.tree.leaves(eqx.filter(self.gpt, eqx.is_inexact_array)))
+
+    def describe(self) -> str:
+        a, jax = self.args, self.jax
+        return (
+            f"GPT vocab={self.text.vocab_size} dim={a.dim} heads={a.heads} layers={a.layers} "
+            f"context={a.context}: {self.n_params:,} parameters; Adam; global batch {a.batch} x {a.context} "
+            f"tokens; {jax.device_count()} {jax.devices()[0].platform} devices"
+        )
+
+
+class Pair:
+    """eqxpar's step and the peer's for one strategy, compiled, with their states and
+    batches; `run_a(i)` / `run_b(i)` run one step on batch `i` and return its seconds."""
+
+    def __init__(self, ctx: Context, key: str):
+        import eqxpar
+        from eqxpar.nn import partition_specs
+        from eqxpar.train import fsdp_specs, fsdp_step, hybrid_step
+
+        jax, jnp, P, NamedSharding = ctx.jax, ctx.jnp, ctx.P, ctx.NamedSharding
         cfg = STRATEGIES[key]
-        name = cfg["label"]
-        mesh = eqxpar.make_mesh(**cfg["mesh"])
+        self.ctx, self.name = ctx, cfg["label"]
+        self.mesh = mesh = eqxpar.make_mesh(**cfg["mesh"])
         batch_axis, fsdp = cfg["batch_axis"], cfg.get("fsdp", False)
         model_axis = "model" if mesh.shape["model"] > 1 else None
+        optimizer, gpt = ctx.optimizer, ctx.gpt
 
         # eqxpar
         tp_specs = partition_specs(gpt, mesh)
         if fsdp:
             specs = fsdp_specs(gpt, mesh, param_specs=tp_specs)
-            step = fsdp_step(loss_fn, optimizer, mesh, param_specs=specs, units=lambda m: m.blocks)
+            self.step = fsdp_step(ctx.loss_fn, optimizer, mesh, param_specs=specs, units=lambda m: m.blocks)
         else:
-            step = hybrid_step(loss_fn, optimizer, mesh, param_specs=tp_specs, batch_axis=batch_axis)
-        a_state = step.init(new_gpt())
-        a_batches = [eqxpar.shard(b, mesh, P(batch_axis)) for b in batches]
+            self.step = hybrid_step(ctx.loss_fn, optimizer, mesh, param_specs=tp_specs, batch_axis=batch_axis)
+        self.a_state = self.step.init(ctx.new_gpt())
+        self.a_batches = [eqxpar.shard(b, mesh, P(batch_axis)) for b in ctx.batches]
         t = time.perf_counter()
-        a_lowered = step.lower(*a_state, a_batches[0])
-        a_compiled = a_lowered.compile()
-        a_compile = time.perf_counter() - t
+        self.a_lowered = self.step.lower(*self.a_state, self.a_batches[0])
+        self.a_compiled = self.a_lowered.compile()
+        self.a_compile = time.perf_counter() - t
 
         # peer
-        params = jax.tree.map(lambda x: jnp.array(x, copy=True), peer_params(new_gpt(), jnp))
+        params = jax.tree.map(lambda x: jnp.array(x, copy=True), peer_params(ctx.new_gpt(), jnp))
         p_specs = peer_param_specs(params, P, model=model_axis, fsdp=fsdp, fsdp_size=mesh.shape.get("fsdp", 1))
         p_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), p_specs, is_leaf=lambda x: isinstance(x, P))
         params = jax.device_put(params, p_sh)
@@ -286,56 +312,72 @@ def main(argv=None) -> dict:
         o_sh = (abstract[0]._replace(count=NamedSharding(mesh, P()), mu=p_sh, nu=p_sh), abstract[1])
         opt_state = jax.jit(optimizer.init, out_shardings=o_sh)(params)
         b_sh = NamedSharding(mesh, P(batch_axis))
-        peer_loss = make_peer_loss(jax, jnp, P, mesh, vocab=text.vocab_size, batch_axis=batch_axis, model=model_axis)
-        peer = make_peer_step(jax, optax, peer_loss, optimizer, p_sh, o_sh, b_sh)
-        b_batches = [jax.device_put(b, b_sh) for b in batches]
+        peer_loss = make_peer_loss(jax, jnp, P, mesh, vocab=ctx.text.vocab_size, batch_axis=batch_axis, model=model_axis)
+        self.peer = make_peer_step(jax, ctx.optax, peer_loss, optimizer, p_sh, o_sh, b_sh)
+        self.b_batches = [jax.device_put(b, b_sh) for b in ctx.batches]
         t = time.perf_counter()
-        b_lowered = peer.lower(params, opt_state, b_batches[0])
-        b_compiled = b_lowered.compile()
-        b_compile = time.perf_counter() - t
-        b_state = (params, opt_state)
+        self.b_lowered = self.peer.lower(params, opt_state, self.b_batches[0])
+        self.b_compiled = self.b_lowered.compile()
+        self.b_compile = time.perf_counter() - t
+        self.b_state = (params, opt_state)
 
-        # parity: first step's loss and gradient norm, second step's loss (after the update)
-        a_model, a_opt, a_m1 = step(*a_state, a_batches[0])
-        b_params, b_opt, b_m1 = peer(*b_state, b_batches[0])
-        a_model, a_opt, a_m2 = step(a_model, a_opt, a_batches[1])
-        b_params, b_opt, b_m2 = peer(b_params, b_opt, b_batches[1])
+    def parity(self) -> tuple[dict, float]:
+        """First step's loss and gradient norm, second step's loss (after the update), of
+        both programs, and their largest relative difference. Runs two steps of each."""
+        step, peer, a, b = self.step, self.peer, self.a_batches, self.b_batches
+        a_model, a_opt, a_m1 = step(*self.a_state, a[0])
+        b_params, b_opt, b_m1 = peer(*self.b_state, b[0])
+        a_model, a_opt, a_m2 = step(a_model, a_opt, a[1])
+        b_params, b_opt, b_m2 = peer(b_params, b_opt, b[1])
         parity = {
             "loss_1": (float(a_m1["loss"]), float(b_m1["loss"])),
             "grad_norm_1": (float(a_m1["grad_norm"]), float(b_m1["grad_norm"])),
             "loss_2": (float(a_m2["loss"]), float(b_m2["loss"])),
         }
-        worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in parity.values())
+        self.a_state, self.b_state = (a_model, a_opt), (b_params, b_opt)
+        return parity, max(abs(x - y) / max(abs(y), 1e-12) for x, y in parity.values())
+
+    def run_a(self, i: int) -> float:
+        t = time.perf_counter()
+        m, o, metrics = self.step(*self.a_state, self.a_batches[i % len(self.a_batches)])
+        self.ctx.jax.block_until_ready(metrics["loss"])
+        self.a_state = (m, o)
+        return time.perf_counter() - t
+
+    def run_b(self, i: int) -> float:
+        t = time.perf_counter()
+        p, o, metrics = self.peer(*self.b_state, self.b_batches[i % len(self.b_batches)])
+        self.ctx.jax.block_until_ready(metrics["loss"])
+        self.b_state = (p, o)
+        return time.perf_counter() - t
+
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    source = source_version()  # before anything else is imported: the code measured
+    eqxpar.simulate_cpu_devices(8)
+    from eqxpar.inspect import CommReport
+
+    ctx = Context(args)
+    print(ctx.describe() + f"; {args.rounds} A/B rounds\n")
+    results = {}
+    for key in args.strategies:
+        pair = Pair(ctx, key)
+        name = pair.name
+        parity, worst = pair.parity()
         if worst > 1e-4:
             raise SystemExit(f"{name}: eqxpar and the peer disagree (relative {worst:.2e}): {parity}")
-        a_state, b_state = (a_model, a_opt), (b_params, b_opt)
 
-        def run_a(batch):
-            nonlocal a_state
-            t = time.perf_counter()
-            m, o, metrics = step(*a_state, batch)
-            jax.block_until_ready(metrics["loss"])
-            a_state = (m, o)
-            return time.perf_counter() - t
-
-        def run_b(batch):
-            nonlocal b_state
-            t = time.perf_counter()
-            p, o, metrics = peer(*b_state, batch)
-            jax.block_until_ready(metrics["loss"])
-            b_state = (p, o)
-            return time.perf_counter() - t
-
-        run_a(a_batches[2]), run_b(b_batches[2])  # warm
+        pair.run_a(2), pair.run_b(2)  # warm
         ta, tb, ratios = [], [], []
         for r in range(args.rounds):
-            i = r % len(batches)
             if r % 2 == 0:
-                x, y = run_a(a_batches[i]), run_b(b_batches[i])
+                x, y = pair.run_a(r), pair.run_b(r)
             else:
-                y, x = run_b(b_batches[i]), run_a(a_batches[i])
+                y, x = pair.run_b(r), pair.run_a(r)
             ta.append(x), tb.append(y), ratios.append(x / y)
 
+        a_lowered, a_compiled, b_lowered, b_compiled = pair.a_lowered, pair.a_compiled, pair.b_lowered, pair.b_compiled
         a_comm, b_comm = CommReport.of(a_lowered, a_compiled), CommReport.of(b_lowered, b_compiled)
         a_bytes, b_bytes = bytes_by_kind(a_comm), bytes_by_kind(b_comm)
         a_temp = int(a_compiled.memory_analysis().temp_size_in_bytes)
@@ -349,14 +391,15 @@ def main(argv=None) -> dict:
             eqxpar_collectives=counts_by_kind(a_comm), peer_collectives=counts_by_kind(b_comm),
             bytes_ratio=(total_a / total_b) if total_b else (1.0 if total_a == 0 else math.inf),
             eqxpar_temp=a_temp, peer_temp=b_temp, temp_ratio=a_temp / b_temp if b_temp else math.inf,
-            eqxpar_compile_s=a_compile, peer_compile_s=b_compile,
+            eqxpar_compile_s=pair.a_compile, peer_compile_s=pair.b_compile,
             eqxpar_hlo=hlo_counts(a_compiled.as_text()) | cost(a_compiled),
             peer_hlo=hlo_counts(b_compiled.as_text()) | cost(b_compiled),
         )
+        del pair
     print_table(results, args)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(config=vars(args), n_params=int(n_params), targets=TARGETS, source=source,
+            json.dump(dict(config=vars(args), n_params=int(ctx.n_params), targets=TARGETS, source=source,
                            results=results), f, indent=1)
     return results
 

@@ -46,3 +46,28 @@ def test_mfu_quick_on_cpu(capsys):
         assert r["mfu"] is None  # no peak FLOP/s for a CPU
         assert r["tokens_per_s"] > 0 and r["model_flops_per_s"] > 0 and r["xla_flops_per_s"] > r["model_flops_per_s"]
     assert "tokens/s" in capsys.readouterr().out
+
+
+def test_profile_step_quick(capsys, tmp_path):
+    """benchmarks/profile_step.py: every runtime event of both programs is matched to an
+    instruction of its compiled HLO, the per-operation table is not empty, and its total
+    (ms per step, mean over devices) is a sane fraction of the step's measured wall time."""
+    out = tmp_path / "profile.json"
+    results = _load("profile_step").main(["--quick", "--strategies", "hybrid", "--steps", "2", "--out", str(out)])
+    r = results["hybrid data=2,model=4"]
+    for who in ("eqxpar", "peer"):
+        s = r[who]
+        assert s["events"] > 0 and s["ops"] and s["unmatched"] == 0, (who, s["events"], s["unmatched"])
+        assert s["devices"] == 8
+        assert 0.1 * s["wall_ms"] < s["total_ms"] < 2.0 * s["wall_ms"], (who, s["total_ms"], s["wall_ms"])
+        assert s["kinds"].get("matmul", 0) > 0 and s["kinds"].get("all-reduce", 0) > 0
+        # Both programs carry the GPT's named scopes (the peer's loss is scoped like eqxpar's).
+        assert any(k.startswith("attention ") for k in s["layers"]) and any(k.startswith("mlp ") for k in s["layers"])
+    printed = capsys.readouterr().out
+    assert "by kind" in printed and "largest operations" in printed
+    assert json.loads(out.read_text())["results"]["hybrid data=2,model=4"]["eqxpar"]["module"] == r["eqxpar"]["module"]
+
+
+def test_profile_step_rejects_an_unknown_strategy():
+    with pytest.raises(SystemExit):
+        _load("profile_step").main(["--quick", "--strategies", "pipeline"])
