@@ -6,8 +6,12 @@ positions of every sequence, laid out zig-zag (device `i` holds chunks `i` and `
 `2C`, so the causal mask gives every device the same work); attention fetches the other
 devices' keys and values by a ring of `ppermute`s (`--attention ring`) or one all-gather
 (`--attention all_gather`). Everything else in the model works on its own positions only,
-so the activations of a step shrink with `C`. The train step is the ordinary
-`eqxpar.train.hybrid_step` with `context_axis="context"`.
+so the activations of a step shrink with `C`. With `--sequence-parallel` (Megatron sequence
+parallelism) the positions are split once more over `model` between the tensor-parallel
+layers: layer norms, dropout and the residual stream work on `S / (C N)` positions, and each
+attention and MLP all-gathers its input and reduce-scatters its output over `model` in place
+of the all-reduce. The train step is the ordinary `eqxpar.train.hybrid_step` with
+`context_axis="context"`.
 
 Run it:
 
@@ -15,6 +19,7 @@ Run it:
     python recipes/long_context.py --mesh data=1,context=8,model=1  # 1/8 of each sequence per device
     python recipes/long_context.py --mesh data=1,context=1,model=1  # one device, the same losses
     python recipes/long_context.py --attention all_gather --metrics-out /tmp/lc.json
+    python recipes/long_context.py --sequence-parallel                 # + Megatron SP over model
 
 The same seed gives the same losses on every mesh (up to float rounding).
 """
@@ -31,8 +36,8 @@ from jax.sharding import PartitionSpec as P
 import eqxpar
 import eqxpar.recipe
 from eqxpar.datasets import python_source_text, text_windows
-from eqxpar.inspect import CommReport, context_parallel_theory
-from eqxpar.models import GPT
+from eqxpar.inspect import CommReport, context_parallel_theory, data_parallel_theory
+from eqxpar.models import GPT, gpt_tensor_parallel_theory
 from eqxpar.nn import layout_order, vocab_parallel_cross_entropy
 
 MODES = ("ring", "all_gather")
@@ -43,6 +48,7 @@ class Config:
     devices: int = 8  # simulated CPU devices when there is no accelerator
     mesh: str = "auto"  # data, context and model axes, e.g. data=2,context=2,model=2; auto: fit the devices
     attention: str = "ring"  # ring (K/V blocks passed around) or all_gather (K/V gathered once per layer)
+    sequence_parallel: bool = False  # also split the positions over `model` between the tensor-parallel layers
     steps: int = 10  # training steps
     batch_size: int = 2  # sequences per step
     seq_len: int = 1024  # characters per sequence
@@ -72,6 +78,12 @@ def check_flags(cfg: Config) -> Config:
     )
     if cfg.seq_len % (2 * sizes["context"]):
         raise ValueError(f"--seq-len {cfg.seq_len} is not divisible by 2 x context={sizes['context']} (the zigzag chunks).")
+    if cfg.sequence_parallel and (cfg.seq_len // sizes["context"]) % sizes["model"]:
+        raise ValueError(
+            f"--sequence-parallel splits the {cfg.seq_len // sizes['context']} positions per context shard over "
+            f"model={sizes['model']}, which does not divide them; choose --seq-len a multiple of "
+            f"context x model = {sizes['context'] * sizes['model']}."
+        )
     return dataclasses.replace(cfg, mesh=eqxpar.recipe.mesh_text(sizes))
 
 
@@ -94,7 +106,7 @@ def main(argv=None) -> dict:
     model_key = jax.random.split(jax.random.key(cfg.seed))[0]
     model = GPT(
         text.vocab_size, cfg.seq_len, cfg.dim, cfg.heads, cfg.layers, axis_name="model",
-        attention_impl=cfg.attention, key=model_key,
+        attention_impl=cfg.attention, sequence_parallel=cfg.sequence_parallel, key=model_key,
     )
 
     def loss_fn(model, batch, key=None):
@@ -112,18 +124,21 @@ def main(argv=None) -> dict:
     lowered = step.lower(model, opt_state, batch(0))
     temp_bytes = lowered.compile().memory_analysis().temp_size_in_bytes
     comm = CommReport.of(lowered, mesh=mesh)
-    theory = context_parallel_theory(
-        mesh, batch=cfg.batch_size, seq_len=cfg.seq_len, num_heads=cfg.heads, head_dim=cfg.dim // cfg.heads,
-        num_layers=cfg.layers, mode=cfg.attention, model_axis="model",
+    # The theory, axis by axis: the gradient all-reduce over data and context, the
+    # tensor-parallel (or sequence-parallel) layers over model, the K/V traffic over context.
+    theory = (
+        data_parallel_theory(model, mesh, eqxpar.nn.partition_specs(model, mesh), batch_axis=("data", "context"))
+        + gpt_tensor_parallel_theory(model, mesh, cfg.batch_size, cfg.seq_len, batch_axis="data", context_axis="context")
+        + context_parallel_theory(
+            mesh, batch=cfg.batch_size, seq_len=cfg.seq_len, num_heads=cfg.heads, head_dim=cfg.dim // cfg.heads,
+            num_layers=cfg.layers, mode=cfg.attention, model_axis="model",
+        )
     )
-    kinds = ("collective-permute",) if cfg.attention == "ring" else ("all-gather", "reduce-scatter")
-    rows = {kind: (comm.bytes(kind), theory.bytes(kind)) for kind in kinds}
+    comparison = comm.versus(theory)
     if eqxpar.recipe.is_main_process():
         print(f"mesh {dict(mesh.shape)}, {cfg.seq_len} characters per sequence, {cfg.seq_len // c} per device")
         print(f"temporaries per device: {temp_bytes:,} bytes")
-        for kind, (measured, expected) in rows.items():
-            ratio = measured / expected if expected else float("nan")
-            print(f"{kind} over context: {measured:,} bytes/device measured, {expected:,} theory (ratio {ratio:.2f})")
+        print(comparison if comparison.rows else "one device: no collectives")
 
     # --- Training loop. ---
     losses = []
@@ -136,13 +151,15 @@ def main(argv=None) -> dict:
     metrics = {
         "mesh": cfg.mesh,
         "attention": cfg.attention,
+        "sequence_parallel": cfg.sequence_parallel,
         "seq_len": cfg.seq_len,
         "steps": cfg.steps,
         "first_loss": losses[0],
         "final_loss": losses[-1],
         "temp_bytes_per_device": int(temp_bytes),
-        "context_bytes_measured": {k: int(m) for k, (m, _) in rows.items()},
-        "context_bytes_theory": {k: int(t) for k, (_, t) in rows.items()},
+        "comm_bytes_measured": {f"{r.kind} {'/'.join(r.axes)}": int(r.compiled) for r in comparison.rows},
+        "comm_bytes_theory": {f"{r.kind} {'/'.join(r.axes)}": int(r.theory) for r in comparison.rows},
+        "comm_ratio": comparison.ratio() if comparison.rows else None,  # measured / theory, all bytes
         "param_digest": eqxpar.recipe.parameter_digest(model),
     }
     if eqxpar.recipe.is_main_process():

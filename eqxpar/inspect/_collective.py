@@ -50,6 +50,9 @@ class Collective:
     """JAX's name for the operation, when the program records it: the name stack
     (`jit(f)/block_0/attention/psum`), from the HLO `metadata={op_name=...}` or the
     StableHLO location. See `scopes`."""
+    source_target_pairs: tuple[tuple[int, int], ...] | None = None
+    """For a collective-permute: the `(source, target)` device ids each value travels
+    between, when known."""
 
     @property
     def scopes(self) -> tuple[str, ...]:
@@ -94,10 +97,11 @@ class Collective:
     def axes(self, mesh: Mesh | AbstractMesh) -> tuple[str, ...] | None:
         """The mesh axes this collective runs over, in the mesh's order.
 
-        Read from the replica groups: an axis is named when devices in one group differ in
+        Read from the replica groups (for a collective-permute, from its source-target
+        pairs, each pair a group): an axis is named when devices in one group differ in
         their position along it. `()` when every group holds one device (the collective
-        moves nothing); `None` when the groups are unknown (collective-permutes, HLO text
-        without replica groups). Device ids are positions in `mesh.devices.flat`, which is
+        moves nothing); `None` when the groups are unknown (HLO text without replica
+        groups). Device ids are positions in `mesh.devices.flat`, which is
         how `jax.jit` numbers the devices of a program on that mesh.
 
         **Arguments:**
@@ -112,15 +116,16 @@ class Collective:
 
         - `ValueError` if a device id is outside the mesh (not the program's mesh).
         """
-        if self.replica_groups is None:
+        groups = self.source_target_pairs if self.kind == "collective-permute" else self.replica_groups
+        if groups is None:
             return None
         names = tuple(mesh.axis_names)
         sizes = tuple(mesh.shape[a] for a in names)
-        if self.replica_groups == ():  # one group of all devices
+        if groups == ():  # one group of all devices
             return tuple(a for a, n in zip(names, sizes) if n > 1)
         total = math.prod(sizes)
         varying = set()
-        for group in self.replica_groups:
+        for group in groups:
             if any(d >= total for d in group):
                 raise ValueError(
                     f"Collective.axes: device id {max(group)} is outside the mesh of {total} "

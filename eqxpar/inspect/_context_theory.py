@@ -46,6 +46,7 @@ def context_parallel_theory(
     batch_axis: Any = "data",
     model_axis: str | None = None,
     dtype: Any = np.float32,
+    remat: bool = False,
 ) -> CommTheory:
     """The attention traffic of a context-parallel train step (forward and backward).
 
@@ -60,6 +61,8 @@ def context_parallel_theory(
     - `batch_axis`: the axis (or axes) the batch is split over (None: not split).
     - `model_axis`: the tensor-parallel axis the heads are split over, or None.
     - `dtype`: the dtype of the keys and values.
+    - `remat`: the blocks are recomputed in the backward pass (`GPT(remat="block")`): the
+      forward's K/V traffic runs once more.
 
     **Returns:**
 
@@ -84,14 +87,18 @@ def context_parallel_theory(
     item = np.dtype(dtype).itemsize
     axes = (context_axis,) if c > 1 else ()
     if mode == "ring":
+        forward = num_layers * (c - 1) * kv * item
         return CommTheory(
-            term("collective-permute", axes, num_layers * (c - 1) * kv * item, "ring: K/V blocks, forward")
-            + term("collective-permute", axes, num_layers * (c - 1) * kv * item, "ring: K/V blocks again, backward")
+            term("collective-permute", axes, forward, "ring: K/V blocks, forward")
+            + term("collective-permute", axes, forward, "ring: K/V blocks again, backward")
             + term("collective-permute", axes, num_layers * c * kv * 4, "ring: K/V gradients (float32), backward")
+            + (term("collective-permute", axes, forward, "ring: forward recomputed (remat)") if remat else ())
         )
+    gathered = num_layers * c * kv * item
     return CommTheory(
-        term("all-gather", axes, num_layers * c * kv * item, "all-gather of K and V, forward")
-        + term("reduce-scatter", axes, num_layers * c * kv * item, "reduce-scatter of K/V gradients, backward")
+        term("all-gather", axes, gathered, "all-gather of K and V, forward")
+        + term("reduce-scatter", axes, gathered, "reduce-scatter of K/V gradients, backward")
+        + (term("all-gather", axes, gathered, "all-gather of K and V recomputed (remat)") if remat else ())
     )
 
 

@@ -49,6 +49,7 @@ _GROUPS_MESH = re.compile(
     r"(?:,\s*device_ids=\((?P<ids>\[[0-9,]*\](?:T\([0-9,]*\))?|[0-9,\s{}]*)\))?"
     r"\s*\{(?P<group>[^}]*)\}"
 )
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{[0-9]+,[0-9]+\},?)*)\}")
 _GROUPS_MAXIMAL = re.compile(r"replica_groups=maximal_mesh\[device_id=(\d+)\]")
 _MESH_AXIS = re.compile(r"""['"]?([^'"=,\s]+)['"]?\s*=\s*(\d+)""")
 _GROUP_AXIS = re.compile(r"""['"]?([^'":,\s]+)['"]?(?::\((\d+)\)(\d+))?""")
@@ -75,13 +76,13 @@ def collectives_in_hlo(text: str) -> tuple[Collective, ...]:
     - `ValueError` if a replica-group list in the mesh form names an axis its mesh lacks.
     """
     found = []
-    started: dict[str, tuple] = {}  # async start name -> (replica groups, op name)
+    started: dict[str, tuple] = {}  # async start name -> (replica groups, op name, pairs)
     for line in text.splitlines():
         match = _HLO_OP.search(line)
         if match is None:
             continue
         name = _HLO_OP_NAME.search(line)
-        info = (hlo_replica_groups(line), name.group(1) if name else None)
+        info = (hlo_replica_groups(line), name.group(1) if name else None, _source_target_pairs(line))
         if match.group("async") == "-start":
             start = _HLO_NAME.match(line)
             if start:
@@ -89,14 +90,22 @@ def collectives_in_hlo(text: str) -> tuple[Collective, ...]:
             continue
         if match.group("async") == "-done":
             operand = _HLO_OPERAND.search(line, match.end() - 1)
-            groups, op_name = started.get(operand.group(1), (None, None)) if operand else (None, None)
-            info = (groups, info[1] or op_name)
+            groups, op_name, pairs = started.get(operand.group(1), (None, None, None)) if operand else (None, None, None)
+            info = (groups, info[1] or op_name, info[2] or pairs)
         arrays = _HLO_ARRAY.findall(match.group("type"))
         shapes = tuple(tuple(int(d) for d in dims.split(",") if d) for _, dims in arrays)
         dtypes = tuple(dtype for dtype, _ in arrays)
-        groups, op_name = info
-        found.append(Collective(match.group("op"), shapes, dtypes, group_size(groups), groups, op_name))
+        groups, op_name, pairs = info
+        found.append(Collective(match.group("op"), shapes, dtypes, group_size(groups), groups, op_name, pairs))
     return tuple(found)
+
+
+def _source_target_pairs(line: str) -> tuple[tuple[int, int], ...] | None:
+    """A collective-permute's `source_target_pairs={{0,1},{1,2}}`, or None."""
+    pairs = _PAIRS.search(line)
+    if pairs is None:
+        return None
+    return tuple((int(a), int(b)) for a, b in re.findall(r"\{([0-9]+),([0-9]+)\}", pairs.group(1)))
 
 
 def hlo_replica_groups(line: str) -> tuple[tuple[int, ...], ...] | None:
@@ -236,6 +245,10 @@ def collectives_in_lowered(lowered: Any) -> tuple[Collective, ...]:
                 table = np.array(ir.DenseIntElementsAttr(op.attributes["replica_groups"]))
                 # StableHLO pads uneven groups with -1.
                 groups = tuple(tuple(int(d) for d in row if d >= 0) for row in table.reshape(table.shape[0], -1))
+            pairs = None
+            if "source_target_pairs" in op.attributes:
+                table = np.array(ir.DenseIntElementsAttr(op.attributes["source_target_pairs"]))
+                pairs = tuple((int(a), int(b)) for a, b in table.reshape(-1, 2))
             found.append(
                 Collective(
                     kind,
@@ -244,6 +257,7 @@ def collectives_in_lowered(lowered: Any) -> tuple[Collective, ...]:
                     group_size(groups),
                     groups,
                     "/".join(p for p in (*prefix, _location_name(op)) if p) or None,
+                    pairs,
                 )
             )
     return tuple(found)

@@ -10,10 +10,13 @@ embedding are small and replicated.
 
 It runs inside `shard_map` over its model axis; a mesh with `model=1` runs it densely. It
 takes one sequence `(seq,)` or a whole batch `(*batch, seq)` (computed as whole arrays,
-see [`eqxpar.models.next_token_loss`][]), so a data axis can be added around it.
+see [`eqxpar.models.next_token_loss`][]), so a data axis can be added around it. With
+`sequence_parallel=True` its residual stream is split along the sequence over the model
+axis as well (Megatron sequence parallelism); with `attention_impl="ring"` or
+`"all_gather"` every sequence is split over a `context` axis (context parallelism).
 """
 
-from ._block import TransformerBlock
+from ._block import TransformerBlock, sequence_dropout
 from ._generate import generate, whole_logits
 from ._gpt import GPT, next_token_loss, stack_blocks, unstack_blocks
 from ._communication import gpt_tensor_parallel_theory
@@ -22,6 +25,7 @@ from ._configs import GPT_CONFIGS, GPTConfig, gpt_config
 
 __all__ = [
     "TransformerBlock",
+    "sequence_dropout",
     "GPT",
     "next_token_loss",
     "generate",

@@ -10,11 +10,11 @@ from typing import Literal
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..nn import ParallelMLP, ParallelMultiheadAttention
 
-__all__ = ["TransformerBlock", "layer_norm", "remat_wrapper", "split_keys", "REMAT_CHOICES"]
+__all__ = ["TransformerBlock", "layer_norm", "remat_wrapper", "sequence_dropout", "split_keys", "REMAT_CHOICES"]
 
 Remat = Literal["none", "block", "save_matmuls", "offload"]
 REMAT_CHOICES = ("none", "block", "save_matmuls", "offload")
@@ -51,6 +51,48 @@ def layer_norm(norm: eqx.nn.LayerNorm, x: Float[Array, "*batch dim"]) -> Float[A
         if norm.use_bias:
             out = out + norm.bias.astype(dtype)
         return out.astype(x.dtype)
+
+
+def sequence_dropout(
+    dropout: eqx.nn.Dropout,
+    x: Float[Array, "*batch seq dim"],
+    rows: Int[Array, " seq"] | None,
+    length: int | None,
+    *,
+    key: PRNGKeyArray | None,
+    inference: bool | None,
+) -> Float[Array, "*batch seq dim"]:
+    """`dropout` on this device's rows of a sequence split over devices, with the mask the
+    whole sequence would get on one device.
+
+    `x` holds rows `rows` (global positions, along dimension -2) of a sequence of `length`
+    positions: the mask is drawn for the whole `(*batch, length, dim)` array with `key`, as
+    `eqx.nn.Dropout` would on one device, and this device takes its rows. Every layout of
+    the sequence (context parallelism's zigzag, sequence parallelism's blocks) therefore
+    drops the same values as one device. The cost is drawing the whole mask (random bits,
+    no gradient) on every device.
+
+    **Arguments:**
+
+    - `dropout`: the `eqx.nn.Dropout`.
+    - `x`: this device's rows, shape `(*batch, len(rows), dim)`.
+    - `rows`, `length`: their global positions and the whole length; `None` when `x` holds
+      the whole sequence (plain `dropout`).
+    - `key`, `inference`: as in `eqx.nn.Dropout`.
+
+    **Returns:**
+
+    `x` with dropout applied, same shape.
+    """
+    off = dropout.inference if inference is None else inference
+    if rows is None or off or (isinstance(dropout.p, (int, float)) and dropout.p == 0):
+        return dropout(x, key=key, inference=inference)
+    if key is None:
+        raise RuntimeError("Dropout requires a key when running in non-deterministic mode.")
+    q = 1 - jax.lax.stop_gradient(dropout.p)
+    mask = jax.random.bernoulli(key, q, (*x.shape[:-2], length, x.shape[-1]))
+    mask = jnp.take(mask, rows, axis=-2)
+    return jnp.where(mask, x / q, 0)
 
 
 def remat_wrapper(remat: Remat) -> Callable[[Callable], Callable] | None:
@@ -105,6 +147,12 @@ class TransformerBlock(eqx.Module):
     each in the backward pass). The residual stream `x` is replicated over the model axis,
     so the residual dropout uses the same key on every device: every device drops the same
     positions and `x` stays the same everywhere.
+
+    With `sequence_parallel=True` (Megatron sequence parallelism) the residual stream is
+    split along the sequence over the model axis instead: the layer norms and dropouts run
+    on this device's block of positions, each tensor-parallel region all-gathers its
+    normalised input and reduce-scatters its output (the same bytes as the all-reduces it
+    replaces, and `1 / N` of the residual activations per device).
     """
 
     attention_norm: eqx.nn.LayerNorm
@@ -112,6 +160,7 @@ class TransformerBlock(eqx.Module):
     mlp_norm: eqx.nn.LayerNorm
     mlp: ParallelMLP
     dropout: eqx.nn.Dropout
+    sequence_parallel: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -121,6 +170,8 @@ class TransformerBlock(eqx.Module):
         dropout_p: float = 0.0,
         *,
         attention_impl: Literal["dot_product", "reference"] = "dot_product",
+        attention_dropout_p: float | None = None,
+        sequence_parallel: bool = False,
         axis_name: str = "model",
         key: PRNGKeyArray,
     ):
@@ -129,17 +180,22 @@ class TransformerBlock(eqx.Module):
         - `dim`: the width of the residual stream.
         - `num_heads`: attention heads (`dim / num_heads` channels each).
         - `mlp_ratio`: the MLP's hidden width is `mlp_ratio * dim`.
-        - `dropout_p`: dropout on the attention weights and on both residual branches.
+        - `dropout_p`: dropout on both residual branches (and the attention weights, unless
+          `attention_dropout_p` says otherwise).
         - `attention_impl`: `"dot_product"` (`jax.nn.dot_product_attention`, fused where the
           platform has a kernel) or `"reference"` (explicit softmax); see
           [`eqxpar.nn.ParallelMultiheadAttention`][].
+        - `attention_dropout_p`: dropout on the attention weights (default: `dropout_p`;
+          context-parallel attention takes none).
+        - `sequence_parallel`: split the residual stream along the sequence over the model
+          axis (see above).
         - `axis_name`: the model axis.
         - `key`: the initialisation key.
         """
         attention_key, mlp_key = jax.random.split(key)
         self.attention_norm = eqx.nn.LayerNorm(dim)
         self.attention = ParallelMultiheadAttention(
-            num_heads, dim, dropout_p=dropout_p, causal=True, attention_impl=attention_impl,
+            num_heads, dim, dropout_p=dropout_p if attention_dropout_p is None else attention_dropout_p, causal=True, attention_impl=attention_impl,
             axis_name=axis_name, key=attention_key,
         )
         self.mlp_norm = eqx.nn.LayerNorm(dim)
@@ -147,6 +203,7 @@ class TransformerBlock(eqx.Module):
             dim, dim, mlp_ratio * dim, activation=jax.nn.gelu, axis_name=axis_name, key=mlp_key
         )
         self.dropout = eqx.nn.Dropout(dropout_p)
+        self.sequence_parallel = sequence_parallel
 
     def __call__(
         self,
@@ -155,17 +212,24 @@ class TransformerBlock(eqx.Module):
         key: PRNGKeyArray | None = None,
         inference: bool | None = None,
         name: str | None = None,
+        rows: Int[Array, " seq"] | None = None,
+        length: int | None = None,
     ) -> Float[Array, "*batch seq dim"]:
         """Apply the block on one device (inside `shard_map`).
 
         **Arguments:**
 
         - `x`: the residual stream, `(seq, dim)` or `(*batch, seq, dim)`, the same on every
-          device of the model axis.
+          device of the model axis (with `sequence_parallel`, this device's block of the
+          sequence).
         - `key`: the dropout key, the same on every device of the model axis.
         - `inference`: `True` turns dropout off.
         - `name`: the `jax.named_scope` of the block's operations in the HLO metadata
           (default `"TransformerBlock"`; the GPT names its blocks `block_0`, `block_1`, ...).
+        - `rows`, `length`: when `x` holds only some positions of the sequence (context or
+          sequence parallelism), their global positions and the sequence's whole length,
+          so that the residual dropout drops what it would on one device (see
+          [`eqxpar.models.sequence_dropout`][]). Default: `x` is the whole sequence.
 
         **Returns:**
 
@@ -173,9 +237,12 @@ class TransformerBlock(eqx.Module):
         """
         with jax.named_scope(name or "TransformerBlock"):
             attention_key, residual_key1, residual_key2 = split_keys(key, 3)
+            sequence_dim = -2 if self.sequence_parallel else None
             with jax.named_scope("attention"):
-                h = self.attention(layer_norm(self.attention_norm, x), key=attention_key, inference=inference)
-                x = x + self.dropout(h, key=residual_key1, inference=inference)
+                h = self.attention(
+                    layer_norm(self.attention_norm, x), key=attention_key, inference=inference, sequence_dim=sequence_dim
+                )
+                x = x + sequence_dropout(self.dropout, h, rows, length, key=residual_key1, inference=inference)
             with jax.named_scope("mlp"):
-                h = self.mlp(layer_norm(self.mlp_norm, x))
-                return x + self.dropout(h, key=residual_key2, inference=inference)
+                h = self.mlp(layer_norm(self.mlp_norm, x), sequence_dim=sequence_dim)
+                return x + sequence_dropout(self.dropout, h, rows, length, key=residual_key2, inference=inference)

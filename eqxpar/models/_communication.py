@@ -26,6 +26,7 @@ def gpt_tensor_parallel_theory(
     seq_len: int,
     *,
     batch_axis: AxisNames | None = None,
+    context_axis: str | None = None,
     remat: bool = False,
 ) -> CommTheory:
     """The least communication of a tensor-parallel [`eqxpar.models.GPT`][] step (Megatron).
@@ -49,6 +50,16 @@ def gpt_tensor_parallel_theory(
 
     Values are the model's floating-point dtype. Layer norms, the position embedding and
     the row layers' biases are replicated over the model axis and need no communication.
+
+    **With `sequence_parallel=True`** (Megatron sequence parallelism) every all-reduce of a
+    `tokens x dim` activation above becomes an all-gather and a reduce-scatter of the same
+    array (forward) and their transposes (backward): `(4 L + 2) x tokens x dim` values of
+    each kind (by the bytes convention, the gathered array and the scattered operand), the
+    same bytes per link as the all-reduces. The parameters that now see only some
+    positions (both layer norms of every block, the final norm, the MLP's output bias, the
+    rows of the position embedding a sequence reads) add an all-reduce of their gradients.
+    With `remat`, each block's attention input all-gather, output reduce-scatter and MLP
+    input all-gather run again.
     Counts one micro-batch: with `grad_accum`, the collectives inside the accumulation loop
     appear once in the program, with the micro-batch's sizes.
 
@@ -61,6 +72,8 @@ def gpt_tensor_parallel_theory(
       [`eqxpar.models.next_token_loss`][], the batch's width minus one).
     - `batch_axis`: the axis (or axes) the batch is split over, if any (`"data"` for the
       hybrid step, `"fsdp"` for FSDP with tensor parallelism).
+    - `context_axis`: the axis every sequence is split over (context parallelism), if any:
+      each device then holds `seq_len / C` positions of each sequence.
     - `remat`: whether the blocks are recomputed in the backward pass.
 
     **Returns:**
@@ -83,12 +96,18 @@ def gpt_tensor_parallel_theory(
         )
     if not (isinstance(seq_len, int) and 0 < seq_len <= model.context_length):
         raise ValueError(f"{who}: seq_len must be in 1..{model.context_length} (the GPT's context), got {seq_len!r}.")
+    contexts = 1 if context_axis is None else axis_size(mesh, context_axis, who, "context")
+    if seq_len % contexts:
+        raise ValueError(f"{who}: seq_len={seq_len} does not split over the {contexts} context shards.")
     axes = axes_key(model.axis_name, mesh, who)
     itemsize = np.dtype(model.position_embedding.weight.dtype).itemsize
-    tokens = batch_size // replicas * seq_len
+    local_seq = seq_len // contexts
+    tokens = batch_size // replicas * local_seq
     dim = model.position_embedding.weight.shape[1]
     stream = tokens * dim * itemsize
     blocks = len(model.blocks)
+    if model.sequence_parallel:
+        return _sequence_parallel_terms(model, axes, blocks, stream, tokens, seq_len, dim, itemsize, remat)
     return CommTheory(
         term("all-reduce", axes, 2 * blocks * stream, f"{blocks} blocks x (attention, MLP) outputs, forward")
         + term(
@@ -99,3 +118,25 @@ def gpt_tensor_parallel_theory(
         + term("all-reduce", axes, 3 * tokens * itemsize, "cross-entropy: max, sum of exponentials, target logit")
         + (term("all-reduce", axes, blocks * stream, "attention outputs recomputed (remat)") if remat else ())
     )
+
+
+def _sequence_parallel_terms(model, axes, blocks, stream, tokens, seq_len, dim, itemsize, remat) -> CommTheory:
+    """`gpt_tensor_parallel_theory` for a GPT with `sequence_parallel=True`."""
+    regions = 4 * blocks + 2  # per direction: 2L block regions, the embedding, the head
+    # Parameters that see only this device's positions: 2 layer norms per block and the
+    # final one (weight and bias each), the MLP's output biases, the position rows of a
+    # whole sequence (each device reads some of them).
+    norms = 2 * (2 * blocks + 1) * dim
+    block = model.blocks.layers if model.scan_layers else model.blocks[0]
+    biases = blocks * dim if block.mlp.use_bias else 0
+    params = (norms + biases + seq_len * dim) * itemsize
+    terms = (
+        term("all-gather", axes, regions * stream, f"SP: {blocks} blocks x 2 regions + head inputs (fwd), embedding + outputs (bwd)")
+        + term("reduce-scatter", axes, regions * stream, f"SP: {blocks} blocks x 2 regions + embedding outputs (fwd), head + inputs (bwd)")
+        + term("all-reduce", axes, params, "SP: gradients of layer norms, MLP output biases, position rows")
+        + term("all-reduce", axes, 3 * tokens * itemsize, "cross-entropy: max, sum of exponentials, target logit")
+    )
+    if remat:
+        terms += term("all-gather", axes, 2 * blocks * stream, "SP: attention and MLP input gathers recomputed (remat)")
+        terms += term("reduce-scatter", axes, blocks * stream, "SP: attention output scatters recomputed (remat)")
+    return CommTheory(terms)

@@ -18,7 +18,7 @@ from ..nn import (
     context_positions,
     vocab_parallel_cross_entropy,
 )
-from ._block import REMAT_CHOICES, Remat, TransformerBlock, layer_norm, remat_wrapper, split_keys
+from ._block import REMAT_CHOICES, Remat, TransformerBlock, layer_norm, remat_wrapper, sequence_dropout, split_keys
 
 __all__ = ["GPT", "next_token_loss", "stack_blocks", "unstack_blocks"]
 
@@ -52,6 +52,16 @@ class GPT(TensorParallelLayer):
     [`eqxpar.nn.StackedLayers`][], run with `jax.lax.scan`: one compiled block whatever
     the depth. [`eqxpar.models.stack_blocks`][] and [`eqxpar.models.unstack_blocks`][]
     convert a model (or checkpoint) between the two.
+
+    **Sequence parallelism.** `sequence_parallel=True` (Megatron-LM's
+    `--sequence-parallel`) splits the residual stream along the sequence over the model
+    axis between the tensor-parallel regions: the token embedding reduce-scatters its
+    lookup, every block's layer norms and residual dropouts run on `seq / N` positions, each
+    attention and MLP all-gathers its normalised input and reduce-scatters its output, and
+    the head all-gathers the final norm's output. The same weights, the same results
+    (dropout included) and the same bytes on the wire as without it; `1 / N` of the
+    residual activations per device. The sequence (per context shard) must be divisible
+    by the model axis size.
     """
 
     token_embedding: VocabParallelEmbedding
@@ -66,6 +76,7 @@ class GPT(TensorParallelLayer):
     remat: str = eqx.field(static=True)
     axis_name: str = eqx.field(static=True)
     attention_impl: str = eqx.field(static=True)
+    sequence_parallel: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -77,10 +88,12 @@ class GPT(TensorParallelLayer):
         mlp_ratio: int = 4,
         dropout_p: float = 0.0,
         *,
+        attention_dropout_p: float | None = None,
         pad_vocab_to_multiple_of: int = 128,
         attention_impl: Literal["dot_product", "reference", "ring", "all_gather"] = "dot_product",
         scan_layers: bool = False,
         remat: Remat = "none",
+        sequence_parallel: bool = False,
         axis_name: str = "model",
         key: PRNGKeyArray,
     ):
@@ -90,7 +103,10 @@ class GPT(TensorParallelLayer):
         - `context_length`: the longest sequence (the position embedding's size).
         - `dim`, `num_heads`, `num_layers`, `mlp_ratio`: the transformer's shape;
           `num_heads` and `mlp_ratio * dim` must be divisible by the model axis size.
-        - `dropout_p`: dropout on the embeddings, attention weights and residual branches.
+        - `dropout_p`: dropout on the embeddings, residual branches and (by default)
+          attention weights.
+        - `attention_dropout_p`: dropout on the attention weights, if not `dropout_p`
+          (context-parallel attention takes none: set it to 0 there).
         - `pad_vocab_to_multiple_of`: the vocabulary is padded to a multiple of this, which
           the model axis size must divide (e.g. `math.lcm(128, 3)` for `model=3`).
         - `attention_impl`: `"dot_product"` (default: `jax.nn.dot_product_attention`, cuDNN
@@ -104,6 +120,8 @@ class GPT(TensorParallelLayer):
         - `scan_layers`: store the blocks stacked and run them with `jax.lax.scan`.
         - `remat`: what the backward pass recomputes: `"none"`, `"block"` (everything but
           each block's input) or `"save_matmuls"` (all but the matmul outputs).
+        - `sequence_parallel`: split the residual stream along the sequence over the model
+          axis (see above); composes with context parallelism.
         - `axis_name`: the model axis every tensor-parallel layer is split over.
         - `key`: the initialisation key.
 
@@ -129,7 +147,8 @@ class GPT(TensorParallelLayer):
         self.position_embedding = eqx.nn.Embedding(context_length, dim, key=position_key)
         blocks = tuple(
             TransformerBlock(
-                dim, num_heads, mlp_ratio, dropout_p, attention_impl=attention_impl, axis_name=axis_name, key=k
+                dim, num_heads, mlp_ratio, dropout_p, attention_impl=attention_impl, attention_dropout_p=attention_dropout_p,
+                sequence_parallel=sequence_parallel, axis_name=axis_name, key=k,
             )
             for k in block_keys
         )
@@ -148,6 +167,7 @@ class GPT(TensorParallelLayer):
         self.remat = remat
         self.axis_name = axis_name
         self.attention_impl = attention_impl
+        self.sequence_parallel = bool(sequence_parallel)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -210,27 +230,50 @@ class GPT(TensorParallelLayer):
         with jax.named_scope("GPT"):
             if tokens.ndim < 1:
                 raise ValueError(f"GPT: tokens must be (seq,) or (*batch, seq), got shape {tokens.shape}.")
-            seq = tokens.shape[-1]
-            # Context parallelism: `tokens` is this device's part of every sequence.
-            split = self.attention_impl in ("ring", "all_gather")
-            if (seq * jax.lax.axis_size(CONTEXT_AXIS) if split else seq) > self.context_length:
-                raise ValueError(f"GPT: {seq} tokens (per context shard) exceed context_length={self.context_length}.")
             embed_key, *block_keys = split_keys(key, 1 + self.num_layers)
+            rows, length = self._rows(tokens.shape[-1])
+            sequence_dim = -2 if self.sequence_parallel else None
             with jax.named_scope("embedding"):
-                positions = context_positions(seq, CONTEXT_AXIS, "zigzag") if split else slice(None, seq)
-                x = self.token_embedding(tokens) + self.position_embedding.weight[positions]
-                x = self.dropout(x, key=embed_key, inference=inference)  # replicated: same key everywhere
+                x = self.token_embedding(tokens, sequence_dim=None if sequence_dim is None else -1)
+                positions = self.position_embedding.weight[:length]  # the rows a sequence reads
+                x = x + (positions if rows is None else positions[rows])
+                # The same key on every device; a split sequence takes its rows of the whole mask.
+                x = sequence_dropout(self.dropout, x, rows, length, key=embed_key, inference=inference)
             wrap = remat_wrapper(self.remat)
             if self.scan_layers:
                 keys = None if key is None else jnp.stack(block_keys)
-                x = self.blocks(x, keys=keys, wrap=wrap, inference=inference)
+                x = self.blocks(x, keys=keys, wrap=wrap, inference=inference, rows=rows, length=length)
             else:
                 apply = _apply_block if wrap is None else wrap(_apply_block)
                 for i, (block, block_key) in enumerate(zip(self.blocks, block_keys)):
-                    x = apply(block, x, block_key, inference, f"block_{i}")
+                    x = apply(block, x, block_key, inference, f"block_{i}", rows, length)
             with jax.named_scope("head"):
-                logits = self.head(layer_norm(self.final_norm, x))
+                logits = self.head(layer_norm(self.final_norm, x), sequence_dim=sequence_dim)
                 return self._mask_padding(logits)
+
+    def _rows(self, seq: int) -> tuple[Array | None, int]:
+        """The global positions of this device's rows of the residual stream (`None`: all
+        of them, in order) and the whole sequence's length, for `seq` tokens per device."""
+        context = self.attention_impl in ("ring", "all_gather")  # `seq` is this device's part
+        length = seq * jax.lax.axis_size(CONTEXT_AXIS) if context else seq
+        if length > self.context_length:
+            raise ValueError(
+                f"GPT: {length} tokens per sequence ({seq} per context shard) exceed "
+                f"context_length={self.context_length}."
+            )
+        rows = context_positions(seq, CONTEXT_AXIS, "zigzag") if context else None
+        if self.sequence_parallel:
+            n = jax.lax.axis_size(self.axis_name)
+            if seq % n:
+                raise ValueError(
+                    f"GPT: sequence_parallel=True splits the {seq} positions per device over the "
+                    f"{n} devices of the model axis {self.axis_name!r}, which do not divide them. "
+                    f"Use a sequence length (per context shard) that is a multiple of {n}, or "
+                    f"sequence_parallel=False."
+                )
+            rows = jnp.arange(seq) if rows is None else rows
+            rows = jax.lax.dynamic_slice_in_dim(rows, jax.lax.axis_index(self.axis_name) * (seq // n), seq // n)
+        return rows, length
 
     def _mask_padding(self, logits):
         if self.padded_vocab_size == self.vocab_size:
@@ -240,8 +283,8 @@ class GPT(TensorParallelLayer):
         return jnp.where(ids < self.vocab_size, logits, -jnp.inf)
 
 
-def _apply_block(block, x, key, inference, name):
-    return block(x, key=key, inference=inference, name=name)
+def _apply_block(block, x, key, inference, name, rows, length):
+    return block(x, key=key, inference=inference, name=name, rows=rows, length=length)
 
 
 def next_token_loss(

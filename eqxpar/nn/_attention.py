@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
-from ._base import TensorParallelLayer, skeleton, to_varying
+from ._base import TensorParallelLayer, gather_sequence, skeleton, to_varying
 from ._linear import ColumnParallelLinear, RowParallelLinear
 from ._ring_attention import LAYOUTS, all_gather_attention, ring_attention
 
@@ -225,6 +225,7 @@ class ParallelMultiheadAttention(TensorParallelLayer):
         *,
         key: PRNGKeyArray | None = None,
         inference: bool | None = None,
+        sequence_dim: int | None = None,
     ) -> Float[Array, "*batch q_seq o_size"]:
         """Apply attention on one device (inside `shard_map`).
 
@@ -240,10 +241,15 @@ class ParallelMultiheadAttention(TensorParallelLayer):
           `(*batch, num_heads, q_seq, kv_seq)` (all heads: each device takes its own).
         - `key`: the dropout key, the same on every device.
         - `inference`: as in `eqx.nn.Dropout`.
+        - `sequence_dim`: Megatron sequence parallelism: the inputs are this device's
+          blocks of their sequences along this dimension (`-2`: the sequence dimension),
+          all-gathered once on the way in, and the output is reduce-scattered back to this
+          device's block of the queries. `mask` covers the whole sequences. Default None.
 
         **Returns:**
 
-        Shape `(*batch, q_seq, output_size)`, the same on every device.
+        Shape `(*batch, q_seq, output_size)`, the same on every device (with
+        `sequence_dim`, this device's block of the `q_seq` queries).
         """
         with jax.named_scope(type(self).__name__):
             size = self._model_axis_size()
@@ -251,6 +257,15 @@ class ParallelMultiheadAttention(TensorParallelLayer):
             first = jax.lax.axis_index(self.axis_name) * heads
             key_ = query if key_ is None else key_
             value = key_ if value is None else value
+            if sequence_dim is not None:
+                if sequence_dim % query.ndim != query.ndim - 2:
+                    raise ValueError(
+                        f"{type(self).__name__}: sequence_dim must be the sequence dimension, -2, "
+                        f"got {sequence_dim}."
+                    )
+                # Gather each distinct input once: self-attention's three projections read one array.
+                gathered = {id(a): gather_sequence(a, self.axis_name, -2) for a in (query, key_, value)}
+                query, key_, value = (gathered[id(a)] for a in (query, key_, value))
             lead, q_seq, kv_seq = query.shape[:-2], query.shape[-2], key_.shape[-2]
             _check_shapes(query, key_, value)
 
@@ -280,7 +295,7 @@ class ParallelMultiheadAttention(TensorParallelLayer):
                     keys = jax.lax.dynamic_slice_in_dim(jax.random.split(key, self.num_heads), first, heads)
                 out = reference_attention(q, k, v, mask, self.dropout, keys, inference)
             # Row-parallel output projection: partial products of our heads, then the psum.
-            return self.output_proj(out.reshape(*lead, q_seq, heads * self.vo_size))
+            return self.output_proj(out.reshape(*lead, q_seq, heads * self.vo_size), sequence_dim=sequence_dim)
 
     def _context_attention(self, q, k, v, mask, dropout_off: bool):
         """Attention over a sequence split across the context axis (see `attention_impl`)."""

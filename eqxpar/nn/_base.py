@@ -159,3 +159,30 @@ def elementwise(fn, x: Array) -> Array:
 def identity(x):
     """The identity function (the default final activation, as in `eqx.nn.MLP`)."""
     return x
+
+
+def gather_sequence(x: Array, axis_name: str, sequence_dim: int) -> Array:
+    """Megatron sequence parallelism's entry into a tensor-parallel region: the devices'
+    blocks of `x` along `sequence_dim`, all-gathered over `axis_name` (backward: a
+    reduce-scatter of the gradient, in place of the region's input all-reduce)."""
+    return jax.lax.all_gather(x, axis_name, axis=sequence_dim % x.ndim, tiled=True)
+
+
+def scatter_sequence(x: Array, axis_name: str, sequence_dim: int, who: str) -> Array:
+    """Megatron sequence parallelism's exit from a tensor-parallel region: the devices'
+    partial sums `x` added up, each keeping its block along `sequence_dim` (a
+    `psum_scatter` over `axis_name` in place of the `psum`; backward, an all-gather).
+
+    **Raises:**
+
+    - `ValueError` naming `who` if the sequence does not split over the axis.
+    """
+    dim = sequence_dim % x.ndim
+    size = jax.lax.axis_size(axis_name)
+    if x.shape[dim] % size:
+        raise ValueError(
+            f"{who}: sequence parallelism splits dimension {dim} (length {x.shape[dim]}) over the "
+            f"{size} devices of the model axis {axis_name!r}, which do not divide it. Use a "
+            f"sequence length that is a multiple of {size}, or turn sequence parallelism off."
+        )
+    return jax.lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=True)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ._base import TensorParallelLayer
+from ._base import TensorParallelLayer, scatter_sequence
 
 __all__ = ["VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
 
@@ -97,7 +97,7 @@ class VocabParallelEmbedding(TensorParallelLayer):
             raise self._split_error(where, "num_embeddings", self.num_embeddings, size)
 
     def __call__(
-        self, x: Int[Array, "*batch"], *, key: PRNGKeyArray | None = None
+        self, x: Int[Array, "*batch"], *, key: PRNGKeyArray | None = None, sequence_dim: int | None = None
     ) -> Float[Array, "*batch embedding_size"]:
         """Look up tokens on one device (inside `shard_map`).
 
@@ -107,11 +107,15 @@ class VocabParallelEmbedding(TensorParallelLayer):
           token, as in `eqx.nn.Embedding`; `(batch, seq)` for a batch), the same on every
           device.
         - `key`: ignored (for compatibility with the Equinox API).
+        - `sequence_dim`: Megatron sequence parallelism: return only this device's block of
+          the embeddings along dimension `sequence_dim` of `x` (e.g. `-1` for `(batch,
+          seq)` ids): a `psum_scatter` over the model axis in place of the `psum` (backward,
+          an all-gather). Default None.
 
         **Returns:**
 
         The tokens' embeddings, shape `(*x.shape, embedding_size)`, the same on every
-        device.
+        device (with `sequence_dim`, that dimension divided by the model axis size).
         """
         del key
         with jax.named_scope(type(self).__name__):
@@ -130,6 +134,9 @@ class VocabParallelEmbedding(TensorParallelLayer):
             row = x - jax.lax.axis_index(self.axis_name) * rows  # the tokens' rows in our block
             ours = (row >= 0) & (row < rows)
             vectors = jnp.where(ours[..., None], jnp.take(self.weight, jnp.clip(row, 0, rows - 1), axis=0), 0)
+            if sequence_dim is not None:
+                # Sequence parallelism: each device keeps its block of the positions.
+                return scatter_sequence(vectors, self.axis_name, sequence_dim % x.ndim, type(self).__name__)
             # Exactly one device contributes a non-zero row: the all-reduce hands it to all.
             return jax.lax.psum(vectors, self.axis_name)
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from ._base import TensorParallelLayer, local_block, skeleton, to_varying
+from ._base import TensorParallelLayer, gather_sequence, local_block, scatter_sequence, skeleton, to_varying
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -150,7 +150,7 @@ class ColumnParallelLinear(TensorParallelLayer):
             _check_local(self, (self.out_features // size, self.in_features), size)
             _check_input(self, x, self.in_features, "the whole input")
             if sequence_dim is not None:
-                x = jax.lax.all_gather(x, self.axis_name, axis=sequence_dim % x.ndim, tiled=True)
+                x = gather_sequence(x, self.axis_name, sequence_dim)
             # Forward: every device has all of x, nothing to send. Backward: this marks x as
             # varying over the model axis, whose transpose is the psum that adds up the
             # devices' partial input gradients (the one all-reduce of a column layer).
@@ -286,7 +286,7 @@ class RowParallelLinear(TensorParallelLayer):
             partial_y = linear(x, self.weight, None)
             if sequence_dim is not None:
                 # Sequence parallelism: add up the partial products and keep our block of the sequence.
-                y = jax.lax.psum_scatter(partial_y, self.axis_name, scatter_dimension=sequence_dim % partial_y.ndim, tiled=True)
+                y = scatter_sequence(partial_y, self.axis_name, sequence_dim, type(self).__name__)
             else:
                 # The forward all-reduce: add up the devices' partial products.
                 y = jax.lax.psum(partial_y, self.axis_name)

@@ -159,6 +159,7 @@ class ParallelMLP(TensorParallelLayer):
         *,
         key: PRNGKeyArray | None = None,
         inference: bool | None = None,
+        sequence_dim: int | None = None,
     ) -> Float[Array, "*batch out_size"]:
         """Apply the MLP on one device (inside `shard_map`).
 
@@ -169,18 +170,25 @@ class ParallelMLP(TensorParallelLayer):
         - `key`: the dropout key, the same on every device (each device folds in its index).
           Only needed when dropout is active.
         - `inference`: as in `eqx.nn.Dropout`.
+        - `sequence_dim`: Megatron sequence parallelism: `x` is this device's block of the
+          sequence along this dimension (e.g. `-2`), all-gathered on the way in; the output
+          is reduce-scattered back to blocks of the sequence (same bytes as the two
+          all-reduces). Default None.
 
         **Returns:**
 
-        The whole output, shape `(*batch, out_size)`, the same on every device.
+        The whole output, shape `(*batch, out_size)`, the same on every device (with
+        `sequence_dim`, this device's block of the sequence).
         """
         with jax.named_scope(type(self).__name__):
             self._model_axis_size()
-            h = self.hidden(x)  # this device's hidden block; backward: all-reduce of x's gradient
+            # This device's hidden block; backward: all-reduce (SP: reduce-scatter) of x's gradient.
+            h = self.hidden(x, sequence_dim=sequence_dim)
             h = elementwise(self.activation, h)  # elementwise, on the local block
             if key is not None:
                 # The hidden units are split: a different mask on each device.
                 key = per_shard_key(key, self.axis_name)
             h = self.dropout(h, key=key, inference=inference)
-            y = self.output(h)  # partial products, then the forward all-reduce (psum)
+            # Partial products, then the forward all-reduce (SP: reduce-scatter).
+            y = self.output(h, sequence_dim=sequence_dim)
             return elementwise(self.final_activation, y)

@@ -102,7 +102,7 @@ def _build(
         plans = leaf_plans(specs, model, batch_axes, who)
         grad_specs = jax.tree.map(lambda s, x: s if eqx.is_inexact_array(x) else None, specs, model, is_leaf=is_spec)
         per_device = per_device_gradients(
-            who, loss_fn, batch_axes=batch_axes, share=share, grad_accum=grad_accum,
+            who, loss_fn, batch_axes=batch_axes, key_axes=axis_names(batch_axis), share=share, grad_accum=grad_accum,
             has_state=has_state, units=units, remat=remat, plans=plans, precision=precision,
         )
         replicated = PartitionSpec()
@@ -178,7 +178,10 @@ _COMMON_ARGS = """
       `P(batch_axis, context_axis)`; `loss_fn` gets this device's part of every sequence
       (e.g. in `eqxpar.nn.zigzag_order` layout) and returns its mean over those tokens,
       and the step sums the gradients over the context axis as over a batch axis (every
-      device holds the same number of tokens, so the result is the global mean).
+      device holds the same number of tokens, so the result is the global mean). The
+      dropout key differs between batch shards but is the same on every part of one
+      sequence, so a model can draw a whole sequence's mask and keep its own positions
+      (as [`eqxpar.models.GPT`][] does).
     - `has_state`: whether the model carries `eqx.nn.State` (e.g. `eqx.nn.BatchNorm`, whose
       `axis_name` must include the batch axes, e.g. `("batch", "data")` with a
       `jax.vmap(..., axis_name="batch")` in the loss).

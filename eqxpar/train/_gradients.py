@@ -167,6 +167,7 @@ def per_device_gradients(
     loss_fn: Callable,
     *,
     batch_axes: tuple[str, ...],
+    key_axes: tuple[str, ...],
     share: float,
     grad_accum: int,
     has_state: bool,
@@ -177,7 +178,10 @@ def per_device_gradients(
 ) -> Callable:
     """`fn(model, state, batch, key) -> (loss, grads, grad_sq_norm, state)`, to run under
     shard_map: `loss` is the global-batch mean, `grads` are summed over the batch axes and
-    laid out as the parameters are, `grad_sq_norm` is the squared global gradient norm."""
+    laid out as the parameters are, `grad_sq_norm` is the squared global gradient norm.
+    The key is folded with the device's index over `key_axes` (the batch axes without the
+    context axis: the parts of one sequence share a key, so a model can draw the whole
+    sequence's dropout mask and take its own positions)."""
     gathers = [p.gathers if p else () for p in plans]
 
     def loss_share(params, static, state, batch, key):
@@ -191,7 +195,7 @@ def per_device_gradients(
 
     def per_device(model, state, batch, key):
         if key is not None:
-            key = jax.random.fold_in(key, jax.lax.axis_index(batch_axes))
+            key = jax.random.fold_in(key, jax.lax.axis_index(key_axes))
         params, static = eqx.partition(model, eqx.is_inexact_array)
         # This device's own copy of each leaf over the batch axes it is copied on, so that
         # its gradient holds this shard's contribution only. (Differentiating the
