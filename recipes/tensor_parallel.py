@@ -80,7 +80,8 @@ def check_flags(cfg: Config) -> Config:
 def main(argv=None) -> dict:
     cfg = eqxpar.recipe.parse_flags(Config, argv, validate=check_flags)  # bad flags: one line, exit 2
     # Checks --checkpoint-dir now, before anything compiles: checkpoints there need --resume,
-    # and --resume needs the saved model's --context, --dim and --layers; else one line, exit 2.
+    # and --resume needs the saved model's --context, --dim, --layers and --scan-layers; else
+    # one line, exit 2.
     with eqxpar.recipe.flag_errors():
         ckpt = eqxpar.checkpoint.Checkpointer.from_config(cfg, shape_fields=("context", "dim", "layers", "scan_layers"))
 
