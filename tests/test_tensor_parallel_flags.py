@@ -25,7 +25,13 @@ from jax.sharding import PartitionSpec as P
 
 import eqxpar
 from eqxpar.datasets import python_source_text
-from eqxpar.models import GPT, GPT_CONFIGS, gpt_flops_per_token, next_token_loss
+from eqxpar.models import (
+    GPT,
+    GPT_CONFIGS,
+    TransformerBlock,
+    gpt_flops_per_token,
+    next_token_loss,
+)
 from eqxpar.models._block import REMAT_CHOICES, remat_wrapper
 from eqxpar.recipe import Throughput
 from eqxpar.testing import assert_trees_close
@@ -139,6 +145,32 @@ def test_offload_is_refused_before_compile_where_the_backend_cannot(caplog, caps
         load_recipe("tensor_parallel").main(["--remat", "offload"])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.count("\n") == 1 and "--remat offload" in err and platform in err, err
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_the_offload_policy_finds_the_linear_layers_outputs(n):
+    """What remat="offload" moves to the host, read from the traced program (tracing works
+    on any backend; only the compiled moves need a GPU or TPU): per block the query, key and
+    value projections (column-parallel: dim/n features each), the attention's output
+    projection before its all-reduce (dim) and the MLP's hidden layer (mlp_ratio x dim/n).
+    The policy offloads matmuls without batch dimensions: a layer that computed with
+    batched matmuls (a vmap over examples, say) would offload nothing."""
+    dim, mlp_ratio, batch = 16, 2, (3, CONTEXT)
+    block = TransformerBlock(dim, 4, mlp_ratio, key=jax.random.key(0))
+    mesh = eqxpar.make_mesh(model=n)
+    specs = eqxpar.nn.partition_specs(block, mesh)
+    # The policy remat_wrapper("offload") uses.
+    policy = jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+
+    def grads(block, x):
+        run = eqx.filter_checkpoint(lambda block, x: block(x), policy=policy)
+        return eqx.filter_grad(lambda block: run(block, x).sum())(block)
+
+    params, static = eqx.partition(block, eqx.is_array)
+    fn = eqxpar.filter_shard_map(grads, mesh=mesh, in_specs=(specs, P()), out_specs=specs)
+    jaxpr = str(jax.make_jaxpr(lambda p, x: fn(eqx.combine(p, static), x))(params, np.ones((*batch, dim), np.float32)))
+    moved = sorted(tuple(map(int, s.split(","))) for s in re.findall(r"f32<host>\[([\d,]+)\]\S* = device_put", jaxpr))
+    assert moved == sorted([(*batch, dim // n)] * 3 + [(*batch, dim), (*batch, mlp_ratio * dim // n)])
 
 
 @pytest.mark.skipif(not OFFLOAD_BACKEND, reason="JAX's CPU backend does not offload to host memory")
