@@ -32,3 +32,24 @@ settings.register_profile(
     print_blob=True,
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "thorough: a heavy variant (another mesh, mode or size of a case the default run "
+        "already covers); runs only under HYPOTHESIS_PROFILE=thorough",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if THOROUGH:
+        return
+    import pytest
+
+    skip = pytest.mark.skip(reason="heavy variant: HYPOTHESIS_PROFILE=thorough runs it")
+    for item in items:
+        if "thorough" in item.keywords:
+            item.add_marker(skip)
