@@ -19,6 +19,9 @@ simulated CPU devices:
 - `loss_precision.png`: the same recipe trained with `--dtype float32` and `--dtype
   bfloat16` (same seed), both losses and their relative gap per step, from
   docs/data/losses/precision/*.json (also written by `make figures`);
+- `sequence_parallel.png`: which positions of the residual stream each device holds
+  with tensor parallelism, with Megatron sequence parallelism, and with context
+  parallelism as well, from the GPT's token embedding run under `shard_map`;
 - `bench_strategies.png`: the table of docs/benchmarks.md (`benchmarks/strategies.py`'s
   output, pasted there) as bar charts, parsed from the page itself.
 """
@@ -37,6 +40,7 @@ import eqxpar  # noqa: E402
 
 eqxpar.simulate_cpu_devices(8)  # before JAX starts
 
+import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import matplotlib  # noqa: E402
@@ -342,10 +346,60 @@ def pipeline_schedules() -> None:
     save(fig, "pipeline_schedules.png")
 
 
+def sequence_parallel_positions() -> None:
+    """`sequence_parallel.png`: which positions of the residual stream each device holds
+    between the tensor-parallel layers, without and with Megatron sequence parallelism
+    (and with context parallelism too), read from what the GPT's token embedding returns
+    (`VocabParallelEmbedding(..., sequence_dim=-1)` reduce-scatters its lookup) on a table
+    whose row `t` is the number `t`, fed the positions as token ids."""
+    length = 16
+    table = eqx.nn.Embedding(weight=jnp.arange(length, dtype=jnp.float32)[:, None])  # id t -> the number t
+    embedding = eqxpar.nn.VocabParallelEmbedding.from_dense(table, axis_name="model")
+    cases = [
+        ({"model": 4}, False, "tensor parallelism, model=4: every device holds the whole sequence (embedding: psum)"),
+        ({"model": 4}, True, "+ sequence parallelism: each holds S/4 positions (embedding: psum_scatter)"),
+        ({"context": 2, "model": 2}, True, "context=2 (zigzag) x model=2 with sequence parallelism: S/(C N) each"),
+    ]
+    fig, axes = plt.subplots(len(cases), 1, figsize=(10.5, 7.4), gridspec_kw={"height_ratios": [4, 4, 4]})
+    for ax, (shape, sequence_parallel, title) in zip(axes, cases):
+        mesh = eqxpar.make_mesh(**shape)
+        contexts = shape.get("context", 1)
+        order = eqxpar.nn.layout_order(length, contexts, "zigzag") if contexts > 1 else jnp.arange(length)
+        tokens = jnp.asarray(order)[None]  # one sequence whose ids are its positions, in the devices' layout
+
+        def held(embedding, tokens):  # the positions this device's residual stream holds, gathered to all
+            x = embedding(tokens, sequence_dim=-1 if sequence_parallel else None)[..., 0]
+            return jax.lax.all_gather(x, tuple(mesh.axis_names))
+
+        spec = P(None, "context" if contexts > 1 else None)
+        shard = eqxpar.filter_shard_map(held, mesh=mesh, in_specs=(eqxpar.nn.partition_specs(embedding, mesh), spec),
+                                        out_specs=P(), check_vma=False)
+        positions = shard(embedding, tokens).reshape(mesh.devices.size, -1)
+        for row, device in enumerate(mesh.devices.flat):
+            where = dict(zip(mesh.axis_names, mesh_position(mesh, device)))
+            y = mesh.devices.size - 1 - row
+            label = ", ".join(f"{k}={v}" for k, v in where.items())
+            ax.text(-0.3, y + 0.4, f"device {device.id} ({label})", ha="right", va="center", fontsize=9)
+            mine = {int(p) for p in positions[row]}
+            for p in range(length):
+                color = MODEL_COLORS[row] if p in mine else "#eeeeee"
+                ax.add_patch(Rectangle((p, y), 0.92, 0.8, fc=color, ec="#bbbbbb", lw=0.5))
+                ax.text(p + 0.46, y + 0.4, str(p), ha="center", va="center", fontsize=8,
+                        color="white" if p in mine else "#999999")
+        ax.set_title(title, fontsize=10, loc="left")
+        ax.set_xlim(-5.2, length + 0.2)
+        ax.set_ylim(-0.2, mesh.devices.size)
+        ax.axis("off")
+    fig.suptitle(f"Positions 0-{length - 1} of the residual stream held by each device, between the TP layers "
+                 "(computed by the GPT's embedding)", fontsize=10, y=1.0)
+    save(fig, "sequence_parallel.png")
+
+
 def main() -> None:
     IMAGES.mkdir(exist_ok=True)
     only = set(sys.argv[1:])
-    for draw in (mesh_grid, column_row, collectives, two_hosts, loss_curves, precision_curves, benchmarks, architecture, pipeline_schedules):
+    for draw in (mesh_grid, column_row, collectives, two_hosts, loss_curves, precision_curves, benchmarks, architecture, pipeline_schedules,
+                 sequence_parallel_positions):
         if not only or draw.__name__ in only:
             draw()
 
