@@ -65,6 +65,8 @@ def parse(argv=None):
     parser.add_argument("--rounds", type=int, default=None, help="timed A/B rounds per strategy (15; --quick: 3)")
     parser.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
                         help="comma-separated: dp, tp, hybrid, fsdp (default), single (one device)")
+    parser.add_argument("--fsdp-min-size", type=int, default=0,
+                        help="FSDP: arrays with fewer elements stay whole, in both programs (fsdp_specs' min_size)")
     parser.add_argument("--quick", action="store_true", help="tiny model, 3 rounds: a smoke test")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -107,9 +109,10 @@ def peer_params(gpt, jnp):
     )
 
 
-def peer_param_specs(params, P, *, model, fsdp, fsdp_size):
+def peer_param_specs(params, P, *, model, fsdp, fsdp_size, min_size=0):
     """Megatron layout over `model` (heads, MLP hidden units, vocabulary); under FSDP each
-    array split over `fsdp` on its first dimension that divides."""
+    array of at least `min_size` elements split over `fsdp` on its first dimension that
+    divides (the rule of `eqxpar.train.fsdp_specs`)."""
     tp = {
         "wte": P(model, None), "head": P(None, model), "wq": P(None, model, None), "wk": P(None, model, None),
         "wv": P(None, model, None), "wo": P(model, None, None), "w1": P(None, model), "b1": P(model),
@@ -118,12 +121,12 @@ def peer_param_specs(params, P, *, model, fsdp, fsdp_size):
 
     def spec(path, x):
         name = path[-1].key
-        if fsdp:
+        if fsdp and x.size >= min_size:
             for i, n in enumerate(x.shape):
                 if n % fsdp_size == 0:
                     return P(*([None] * i), "fsdp")
             return P()
-        return tp.get(name, P())
+        return P() if fsdp else tp.get(name, P())
 
     import jax
 
@@ -292,7 +295,7 @@ class Pair:
         # eqxpar
         tp_specs = partition_specs(gpt, mesh)
         if fsdp:
-            specs = fsdp_specs(gpt, mesh, param_specs=tp_specs)
+            specs = fsdp_specs(gpt, mesh, param_specs=tp_specs, min_size=getattr(ctx.args, "fsdp_min_size", 0))
             self.step = fsdp_step(ctx.loss_fn, optimizer, mesh, param_specs=specs, units=lambda m: m.blocks)
         else:
             self.step = hybrid_step(ctx.loss_fn, optimizer, mesh, param_specs=tp_specs, batch_axis=batch_axis)
@@ -305,7 +308,8 @@ class Pair:
 
         # peer
         params = jax.tree.map(lambda x: jnp.array(x, copy=True), peer_params(ctx.new_gpt(), jnp))
-        p_specs = peer_param_specs(params, P, model=model_axis, fsdp=fsdp, fsdp_size=mesh.shape.get("fsdp", 1))
+        p_specs = peer_param_specs(params, P, model=model_axis, fsdp=fsdp, fsdp_size=mesh.shape.get("fsdp", 1),
+                                   min_size=getattr(ctx.args, "fsdp_min_size", 0))
         p_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), p_specs, is_leaf=lambda x: isinstance(x, P))
         params = jax.device_put(params, p_sh)
         abstract = jax.eval_shape(optimizer.init, params)

@@ -83,6 +83,8 @@ def parse(argv=None):
     parser.add_argument("--rounds", type=int, default=None,
                         help="A/B rounds timed without the profiler first (8; --quick: 1)")
     parser.add_argument("--top", type=int, default=12, help="rows in the per-operation table")
+    parser.add_argument("--fsdp-min-size", type=int, default=0,
+                        help="FSDP: arrays with fewer elements stay whole, in both programs (as in peer.py)")
     parser.add_argument("--quick", action="store_true", help="tiny GPT, 2 steps: a smoke test")
     parser.add_argument("--trace-dir", help="keep the raw traces here (default: a temporary folder, removed)")
     parser.add_argument("--out", help="write the tables as JSON here")

@@ -18,14 +18,16 @@ def fsdp_specs(
     *,
     batch_axis: str = "fsdp",
     param_specs: PyTree = PartitionSpec(),
+    min_size: int = 0,
 ) -> PyTree[PartitionSpec]:
     """Where each parameter lives under FSDP: one dimension of every array split over `batch_axis`.
 
     For each floating-point array the first dimension that `param_specs` does not already
     split and whose size `batch_axis` divides is split over `batch_axis`; failing that, a
     dimension `param_specs` splits is split further (`P(("model", "fsdp"))`) where the
-    sizes allow. Arrays with neither (odd sizes, scalars) stay whole on every device of
-    that axis, and their gradients are summed by autodiff instead.
+    sizes allow. Arrays with neither (odd sizes, scalars), and arrays of fewer than
+    `min_size` elements, stay whole on every device of that axis; their gradients are
+    summed with one combined all-reduce.
 
     **Arguments:**
 
@@ -34,6 +36,10 @@ def fsdp_specs(
     - `batch_axis`: the axis parameters, optimizer state and batch are split over.
     - `param_specs`: specs the parameters already have over other axes (e.g.
       `eqxpar.nn.partition_specs(model, mesh)` for tensor parallelism); default replicated.
+    - `min_size`: arrays with fewer elements than this stay whole (e.g. `2**14`: biases
+      and norm scales). Each split array costs one all-gather and one reduce-scatter per
+      step, whatever its size; the whole ones share one all-reduce. Default 0: split
+      every array that divides.
 
     **Returns:**
 
@@ -42,7 +48,8 @@ def fsdp_specs(
 
     **Raises:**
 
-    - `ValueError` if the mesh lacks `batch_axis`, or `param_specs` does not fit the model.
+    - `ValueError` if the mesh lacks `batch_axis`, `param_specs` does not fit the model, or
+      `min_size` is negative.
     """
     if not isinstance(batch_axis, str):
         raise ValueError(
@@ -50,6 +57,8 @@ def fsdp_specs(
             f"sharding (copies over 'data', slices over 'fsdp') give fsdp_specs the axis to slice "
             f"over and fsdp_step the tuple: fsdp_step(..., batch_axis=('data', 'fsdp'))."
         )
+    if not isinstance(min_size, int) or min_size < 0:
+        raise ValueError(f"fsdp_specs: min_size must be a non-negative int (elements), got {min_size!r}.")
     n = check_axes(mesh, batch_axis, who="fsdp_specs", arg="batch_axis", role="to split the parameters and the batch over")
     leaves, treedef = jax.tree_util.tree_flatten(model)
     base = broadcast_specs(param_specs, model, what="param_specs")
@@ -62,7 +71,10 @@ def fsdp_specs(
         entries = pad_spec(spec, leaf.ndim)
         if any(batch_axis in entry_axes(e) for e in entries):
             raise ValueError(f"fsdp_specs: param_specs already split a leaf over {batch_axis!r}: {spec}.")
-        entries = _add_fsdp(entries, leaf.shape, mesh, batch_axis, n, first=1 if stacked else 0)
+        # A stacked array's size per layer: the scan gathers one layer at a time.
+        per_layer = leaf.size // leaf.shape[0] if stacked and leaf.ndim else leaf.size
+        if per_layer >= min_size:
+            entries = _add_fsdp(entries, leaf.shape, mesh, batch_axis, n, first=1 if stacked else 0)
         while entries and entries[-1] is None:
             entries.pop()
         out.append(PartitionSpec(*entries))
