@@ -16,7 +16,7 @@ axis as well (Megatron sequence parallelism); with `attention_impl="ring"` or
 `"all_gather"` every sequence is split over a `context` axis (context parallelism).
 """
 
-from ._block import TransformerBlock, sequence_dropout
+from ._block import REMAT_CHOICES, TransformerBlock, remat_wrapper, sequence_dropout
 from ._generate import generate, whole_logits
 from ._gpt import GPT, next_token_loss, stack_blocks, unstack_blocks
 from ._communication import gpt_tensor_parallel_theory
@@ -26,6 +26,8 @@ from ._configs import GPT_CONFIGS, GPTConfig, gpt_config
 __all__ = [
     "TransformerBlock",
     "sequence_dropout",
+    "remat_wrapper",
+    "REMAT_CHOICES",
     "GPT",
     "next_token_loss",
     "generate",

@@ -1,0 +1,52 @@
+"""Plumbing shared by the recipes: flags from a config dataclass, a progress bar, metrics JSON.
+
+A recipe declares its settings as a dataclass, with a comment (or docstring) per field, and
+lets [`eqxpar.recipe.parse_flags`][] turn every field into a command-line flag
+(`batch_size` becomes `--batch-size`) and run the recipe's checks before anything compiles:
+
+```python
+@dataclasses.dataclass
+class Config:
+    devices: int = 8  # simulated CPU devices when there is no accelerator
+    mesh: str = "auto"  # e.g. data=8; auto: the largest data axis the devices allow
+    steps: int = 300  # training steps
+
+def check_flags(cfg: Config) -> Config:  # raises ValueError, or returns the completed config
+    eqxpar.recipe.require_positive(cfg, "steps")
+    eqxpar.simulate_cpu_devices(cfg.devices)  # before JAX starts
+    sizes = eqxpar.recipe.mesh_from_flag(cfg.mesh, {"data": 8})
+    return dataclasses.replace(cfg, mesh=eqxpar.recipe.mesh_text(sizes))
+
+cfg = eqxpar.recipe.parse_flags(Config, validate=check_flags)  # bad flags: one line, exit 2
+```
+"""
+
+from ._flags import (
+    CheckpointFlags,
+    flag_error,
+    flag_errors,
+    mesh_from_flag,
+    mesh_text,
+    parse_flags,
+    require_positive,
+)
+from ._gpt_flags import GPTFlags, check_gpt_flags, speed_metrics
+from ._output import Throughput, is_main_process, parameter_digest, progress, write_metrics
+
+__all__ = [
+    "parse_flags",
+    "flag_error",
+    "flag_errors",
+    "mesh_from_flag",
+    "mesh_text",
+    "require_positive",
+    "progress",
+    "write_metrics",
+    "is_main_process",
+    "CheckpointFlags",
+    "GPTFlags",
+    "check_gpt_flags",
+    "speed_metrics",
+    "parameter_digest",
+    "Throughput",
+]

@@ -1,0 +1,115 @@
+"""The GPT recipes' speed flags (`--config`, `--dtype`, `--attention`, `--remat`,
+`--scan-layers`), their checks, and the speed metrics the recipes write."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, TypeVar
+
+import jax
+
+__all__ = ["GPTFlags", "check_gpt_flags", "speed_metrics"]
+
+C = TypeVar("C")
+
+
+@dataclasses.dataclass
+class GPTFlags:
+    """The flags of the GPT training recipes that choose how the model computes, not what:
+    derive the recipe's `Config` from it (next to [`eqxpar.recipe.CheckpointFlags`][]), and
+    check them with [`eqxpar.recipe.check_gpt_flags`][].
+
+    - `--config NAME`: a named size of `eqxpar.models.GPT_CONFIGS` (10m, 124m, 1.3b) sets the
+      recipe's `context`, `dim`, `heads` and `layers`; `custom` (default) keeps those flags.
+    - `--dtype`: `float32`, or `bfloat16` compute on float32 master weights (the loss and
+      the gradient sums stay float32): `cfg.precision()` is the [`eqxpar.train.Precision`][].
+    - `--attention`, `--remat`, `--scan-layers`: the [`eqxpar.models.GPT`][] options
+      `attention_impl`, `remat` and `scan_layers`.
+    """
+
+    # The comments are the flags' --help text (eqxpar.recipe.parse_flags reads them).
+    config: str = "custom"  # a named GPT size (10m, 124m, 1.3b) in place of --context/--dim/--heads/--layers; custom: those flags
+    dtype: str = "float32"  # compute dtype: float32, or bfloat16 (float32 master weights, float32 gradient sums)
+    attention: str = "dot_product"  # dot_product (jax.nn.dot_product_attention, cuDNN flash attention on GPU) or reference
+    remat: str = "none"  # what the backward pass recomputes: none, block, save_matmuls, or offload (matmul outputs kept in host memory; GPU/TPU)
+    scan_layers: bool = False  # stack the blocks and run them with jax.lax.scan (one compiled block at any depth)
+
+    def precision(self):
+        """The [`eqxpar.train.Precision`][] of `--dtype`: `Precision()` (no change) for float32."""
+        import jax.numpy as jnp
+
+        from ..train import Precision
+
+        return Precision(compute_dtype=jnp.bfloat16 if self.dtype == "bfloat16" else None)
+
+
+def check_gpt_flags(cfg: C) -> C:
+    """Check a [`eqxpar.recipe.GPTFlags`][] config's flags; returns it with `--config` applied.
+
+    Call it from the recipe's `validate`, after `eqxpar.simulate_cpu_devices` (`--remat
+    offload` asks the backend whether it can offload) and before the checks of
+    `context`, `dim`, `heads` and `layers` (a named `--config` sets them).
+
+    **Arguments:**
+
+    - `cfg`: the parsed config, an instance of a subclass of `GPTFlags` with `context`,
+      `dim`, `heads` and `layers` fields.
+
+    **Returns:**
+
+    `cfg`, with the named size's shape in place of its own when `--config` is not `custom`.
+
+    **Raises:**
+
+    - `ValueError` naming the flag, its choices and the value given; for `--remat offload`
+      on a backend without host offload, naming the backend and the other choices.
+    """
+    from ..models import GPT_CONFIGS, REMAT_CHOICES, gpt_config, remat_wrapper
+
+    choices = {
+        "config": ("custom", *GPT_CONFIGS),
+        "dtype": ("float32", "bfloat16"),
+        "attention": ("dot_product", "reference"),
+        "remat": REMAT_CHOICES,
+    }
+    for name, allowed in choices.items():
+        if getattr(cfg, name) not in allowed:
+            raise ValueError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(cfg, name)!r}.")
+    try:
+        remat_wrapper(cfg.remat)  # "offload": only where the backend can move arrays to the host
+    except ValueError as error:
+        raise ValueError(f"--remat {cfg.remat}: {error}") from None
+    if cfg.config != "custom":
+        cfg = dataclasses.replace(cfg, **dataclasses.asdict(gpt_config(cfg.config)))
+    return cfg
+
+
+def speed_metrics(tokens_per_second: float, flops_per_token: float, n_devices: int, dtype: str) -> dict[str, Any]:
+    """A training run's speed, as the GPT recipes write it to `--metrics-out`.
+
+    **Arguments:**
+
+    - `tokens_per_second`: tokens trained per second, by all devices together.
+    - `flops_per_token`: model FLOPs per trained token ([`eqxpar.models.gpt_flops_per_token`][]).
+    - `n_devices`: the devices that share the work (the mesh's size).
+    - `dtype`: the compute dtype's name (`--dtype`), for the peak the MFU is measured against.
+
+    **Returns:**
+
+    `{"tokens_per_second", "flops_per_token", "flops_per_second", "mfu"}`; `mfu` is a
+    fraction of the devices' peak ([`eqxpar.inspect.mfu`][]), `None` where the peak is
+    unknown (on CPU).
+    """
+    import jax.numpy as jnp
+
+    from ..inspect import mfu
+
+    return {
+        "tokens_per_second": tokens_per_second,
+        "flops_per_token": flops_per_token,
+        "flops_per_second": tokens_per_second * flops_per_token,
+        # No rate (a one-step run: its step included the compile) and no peak: no MFU.
+        "mfu": mfu(tokens_per_second, flops_per_token, n_devices, jax.devices()[0], jnp.dtype(dtype))
+        if math.isfinite(tokens_per_second) else None,
+    }

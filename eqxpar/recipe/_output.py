@@ -1,0 +1,155 @@
+"""What a recipe shows and keeps: process 0's progress bar, throughput, metrics JSON, and a
+digest of the trained parameters."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+from jaxtyping import PyTree
+
+__all__ = ["is_main_process", "progress", "Throughput", "write_metrics", "parameter_digest"]
+
+
+def is_main_process() -> bool:
+    """True in process 0 (and in every single-process run): the one that prints and writes."""
+    return jax.process_index() == 0
+
+
+def progress(iterable: Iterable, *, total: int | None = None, desc: str = "train", **kwargs):
+    """A progress bar over `iterable`, shown by process 0 only.
+
+    **Arguments:**
+
+    - `iterable`: what to iterate over (usually `range(steps)`).
+    - `total`: its length, if `len()` does not give it.
+    - `desc`: the bar's label.
+    - `**kwargs`: passed on to `tqdm.tqdm`.
+
+    **Returns:**
+
+    A `tqdm` iterator; call `.set_postfix(loss=...)` on it to show metrics. When stderr is
+    not a terminal (CI, logs) it refreshes at most every few seconds.
+    """
+    from tqdm.auto import tqdm
+
+    interactive = sys.stderr.isatty()
+    kwargs.setdefault("mininterval", 0.1 if interactive else 5.0)
+    kwargs.setdefault("dynamic_ncols", True)
+    disable = kwargs.pop("disable", False) or not is_main_process()
+    bar = tqdm(iterable, total=total, desc=desc, disable=disable, **kwargs)
+    if not interactive:
+        # In a log, `set_postfix` must not redraw the bar on every call: the new numbers
+        # show at the next (throttled) refresh instead.
+        set_postfix = bar.set_postfix
+        bar.set_postfix = lambda *args, refresh=False, **kw: set_postfix(*args, refresh=refresh, **kw)
+    return bar
+
+
+class Throughput:
+    """Items (tokens, examples) per second over a training loop, leaving out its first step.
+
+    The first step includes compiling; timing starts when it ends. Call `tick()` after each
+    step has finished (e.g. after reading its loss, which waits for it).
+
+    **Arguments:**
+
+    - `per_step`: items each step processes (e.g. `batch_size * context` tokens).
+    """
+
+    def __init__(self, per_step: int):
+        self.per_step = per_step
+        self._started: float | None = None
+        self._last: float | None = None
+        self._steps = 0
+
+    def tick(self) -> None:
+        """Count one finished step."""
+        self._last = time.perf_counter()
+        if self._started is None:
+            self._started = self._last
+        else:
+            self._steps += 1
+
+    @property
+    def per_second(self) -> float:
+        """Items per second from the end of the first step to the end of the last one
+        (NaN before a second step); what runs after the loop does not count."""
+        if not self._steps:
+            return float("nan")
+        return self.per_step * self._steps / (self._last - self._started)
+
+
+def write_metrics(path: str | os.PathLike | None, metrics: Mapping[str, Any]) -> None:
+    """Write a recipe's results as JSON (process 0 only); does nothing when `path` is None.
+
+    **Arguments:**
+
+    - `path`: where to write, or `None`. Parent folders are created.
+    - `metrics`: JSON-serialisable values; NumPy/JAX scalars are converted.
+
+    **Returns:**
+
+    Nothing.
+    """
+    if path is None or not is_main_process():
+        return
+
+    def plain(x):
+        if hasattr(x, "item") and getattr(x, "ndim", 1) == 0:
+            return x.item()
+        if hasattr(x, "tolist"):
+            return x.tolist()
+        raise TypeError(f"cannot write {type(x)} to JSON")
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(dict(metrics), f, indent=2, default=plain)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def parameter_digest(tree: PyTree) -> str:
+    """A SHA-256 digest of every array in `tree`: equal digests mean bitwise-equal arrays.
+
+    Each array is gathered to the host first (whatever mesh or process holds it), so the
+    digest depends on the values only, not on the layout. In a multi-process run every
+    process must call it (gathering is a collective).
+
+    **Arguments:**
+
+    - `tree`: a PyTree, e.g. a model; non-array leaves are ignored, typed PRNG keys count
+      by their key data.
+
+    **Returns:**
+
+    The hex digest: each array's path, dtype, shape and bytes, in tree order.
+    """
+    import hashlib
+
+    import equinox as eqx
+    import numpy as np
+
+    from .._sharding import gather
+    from .._specs import path_str
+
+    def raw(x):
+        if eqx.is_array(x) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.random.key_data(x)
+        return x
+
+    arrays = eqx.filter(jax.tree.map(raw, tree), eqx.is_array)
+    digest = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(gather(arrays))[0]:
+        if leaf is None:
+            continue
+        value = np.ascontiguousarray(leaf)
+        digest.update(f"{path_str(path)} {value.dtype} {value.shape};".encode())
+        digest.update(value.tobytes())
+    return digest.hexdigest()
