@@ -95,6 +95,8 @@ def parse(argv=None):
         args.steps = 2 if args.quick else 8
     if args.rounds is None:
         args.rounds = 1 if args.quick else 8
+    if args.rounds < 0:
+        parser.error(f"--rounds must be at least 0, got {args.rounds}")
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
     names = [n.strip() for n in args.strategies.split(",") if n.strip()]
