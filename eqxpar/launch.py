@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .distributed import (
     ENV_COORDINATOR_ADDRESS,
@@ -142,6 +142,27 @@ def _describe(returncode: int) -> str:
     return f"exited with status {returncode}"
 
 
+def _die_with_launcher() -> Callable[[], None] | None:
+    """A `preexec_fn` that makes the kernel SIGKILL a rank when the launcher dies (Linux
+    `prctl(PR_SET_PDEATHSIG)`), so that a launcher killed by SIGKILL, which cannot stop
+    its ranks itself, leaves none running; `None` elsewhere. The C function is looked up
+    here, in the launcher: the child only calls it between fork and exec."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+
+    def arm() -> None:
+        prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+
+    return arm
+
+
 def _signal_running(procs: list[subprocess.Popen], sig: int) -> None:
     """Send `sig` to the process group of every process still running."""
     for p in procs:
@@ -212,6 +233,7 @@ def launch(
     address = f"127.0.0.1:{port or free_port()}"
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
+    die_with_launcher = _die_with_launcher()
     copies: list[_Output] = []
     tails = [_Tail(maxlen=_TAIL_LINES) for _ in range(nproc)]
 
@@ -236,6 +258,7 @@ def launch(
         p = subprocess.Popen(
             list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL, start_new_session=True,  # its own process group
+            preexec_fn=die_with_launcher,  # and gone if the launcher is killed
         )
         procs.append(p)
         copies.append(_Output(p.stdout, out, f"[rank {rank}] ", lock, show_gloo, tails[rank]))

@@ -150,8 +150,12 @@ def test_a_killed_process_mid_run_ends_the_job_within_60_s(tmp_path):
         code = proc.wait(timeout=60)
         seconds = time.monotonic() - killed
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if proc.poll() is None:  # the test failed: let the launcher stop its ranks first
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
     time.sleep(0.2)
     while not lines.empty():
         seen.append(lines.get())
@@ -162,6 +166,56 @@ def test_a_killed_process_mid_run_ends_the_job_within_60_s(tmp_path):
     assert output.strip().splitlines()[-1] == "eqxpar.launch: the job failed: rank 1 was killed by SIGKILL.", output
     assert seconds < 60
     print(f"launcher exited {seconds:.1f} s after the kill, status {code}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) counts as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_ranks_die_with_a_killed_launcher(tmp_path):
+    """A launcher killed by SIGKILL cannot stop its ranks itself; the kernel must (each rank
+    is started with PR_SET_PDEATHSIG), or they would run on, unowned, forever."""
+    script = write(tmp_path, "forever.py", """
+        import time
+        print("ready", flush=True)
+        while True:
+            time.sleep(0.1)
+    """)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eqxpar.launch", "--nproc", "2", script],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    pids, ready = [], 0
+    try:
+        for line in proc.stdout:
+            if line.startswith("eqxpar.launch: rank ") and " started as pid " in line:
+                pids.append(int(line.split()[-1]))
+            ready += line.endswith("] ready\n")
+            if len(pids) == 2 and ready == 2:
+                break
+        assert len(pids) == 2 and all(_alive(pid) for pid in pids), (pids, ready)
+        proc.kill()
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(pid) for pid in pids), f"ranks {pids} outlived their launcher"
+    finally:
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_gloo_connection_chatter_is_recognised():
