@@ -18,11 +18,17 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) recipes/$(DEMO).py
 
+# Two worker processes (pytest-xdist), whole test files to each: compiles dominate the suite
+# and XLA compiles on one thread, so two workers use both cores of a CI machine; a file's
+# cached compiles stay in its worker. TEST_WORKERS=0 runs everything in this process.
+TEST_WORKERS ?= 2
+PYTEST_WORKERS = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_WORKERS)
 
 test-thorough: $(STAMP)
-	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q
+	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q $(PYTEST_WORKERS)
 
 # The docs' pictures are drawn by docs/figures/make_figures.py (seconds, headless, offline):
 # meshes, splits and collectives from real eqxpar/JAX objects on simulated CPU devices, the

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 import eqxpar
 from eqxpar.models import GPT, next_token_loss
 from eqxpar.nn import layout_order, vocab_parallel_cross_entropy
+from _budget import examples
 
 VOCAB, SEQ, DIM, HEADS, BATCH, STEPS = 7, 16, 8, 2, 4, 2
 
@@ -31,6 +32,7 @@ def windows(seed):
     return jax.random.randint(jax.random.key(seed), (STEPS, BATCH, SEQ + 1), 0, VOCAB)
 
 
+@examples(2)  # more under HYPOTHESIS_PROFILE=thorough
 @given(
     shape=st.sampled_from([
         {"data": 1, "context": 2, "model": 1},

@@ -20,6 +20,7 @@ from eqxpar.nn import (
     layout_order,
     ring_attention,
 )
+from _budget import examples
 
 VOCAB, DIM, HEADS, SEQ, BATCH = 11, 8, 2, 16, 4
 
@@ -116,6 +117,7 @@ MESHES = [
 ]
 
 
+@examples(2)  # more under HYPOTHESIS_PROFILE=thorough
 @given(
     shape=st.sampled_from(MESHES),
     mode=st.sampled_from(["ring", "all_gather"]),

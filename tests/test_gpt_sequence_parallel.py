@@ -22,6 +22,7 @@ import eqxpar
 from eqxpar.inspect import CommReport, context_parallel_theory, data_parallel_theory
 from eqxpar.models import GPT, gpt_tensor_parallel_theory, next_token_loss
 from eqxpar.nn import layout_order, vocab_parallel_cross_entropy
+from _budget import examples
 
 VOCAB, SEQ, DIM, HEADS, BATCH, STEPS = 7, 16, 8, 4, 4, 2
 CONTEXT_MODES = ("ring", "all_gather")
@@ -83,6 +84,7 @@ MESHES = [
 ]
 
 
+@examples(3)  # more under HYPOTHESIS_PROFILE=thorough
 @given(
     shape=st.sampled_from(MESHES),
     mode=st.sampled_from(CONTEXT_MODES),

@@ -21,6 +21,7 @@ from eqxpar.nn import (
     zigzag_inverse,
     zigzag_order,
 )
+from _budget import examples
 
 
 def dense_attention(q, k, v, causal):
@@ -58,6 +59,7 @@ def assert_close(a, b, rtol=2e-5, atol=2e-5):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
 
 
+@examples(2)  # more under HYPOTHESIS_PROFILE=thorough
 @given(
     context=st.sampled_from([2, 4, 8]),
     layout=st.sampled_from(["zigzag", "contiguous"]),

@@ -22,6 +22,7 @@ import eqxpar
 from _gpt_reference import loss_fn, reference_value_and_grad, tiny_gpt, token_batch
 from eqxpar.testing import assert_trees_close, mesh_sizes
 from eqxpar.train import data_parallel_step, fsdp_step, hybrid_step, shard_batch
+from _budget import examples
 
 # Clipping must bite: the tiny GPT's first gradients have norms around 1-3. AdamW's eps is
 # 1e-3, not 1e-8: with a tiny eps Adam's first update is lr * sign(g) for entries whose
@@ -76,6 +77,7 @@ def reference_run(model, batches, optimizer):
     return model, losses, norms
 
 
+@examples(2)  # more under HYPOTHESIS_PROFILE=thorough
 @given(
     data=st.data(),
     strategy=st.sampled_from(STRATEGIES),
