@@ -20,7 +20,6 @@ import eqxpar
 from eqxpar import nn
 from eqxpar.models import GPT, next_token_loss, stack_blocks, unstack_blocks
 from eqxpar.testing import assert_trees_close, mesh_sizes
-from _budget import examples
 
 CONTEXT = 8
 model_sizes = mesh_sizes(("model",)).map(lambda s: s["model"])
@@ -100,7 +99,6 @@ def test_scan_layers_flag_builds_the_stacked_form_of_the_same_weights():
     assert jax.tree.structure(unstack_blocks(stack_blocks(abstract))) == jax.tree.structure(abstract)
 
 
-@examples(2)  # more under HYPOTHESIS_PROFILE=thorough
 @given(n=model_sizes, seed=st.integers(0, 2**16))
 @few
 @example(n=8, seed=0)
