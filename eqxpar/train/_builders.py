@@ -18,7 +18,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Float, PyTree
 
 from .._shard_map import filter_shard_map
@@ -26,24 +26,12 @@ from .._specs import AxisNames, axis_names, check_axes, full_specs, is_spec, spe
 from ._checks import check_batch_divides, check_batch_norms, check_builder
 from ._fsdp import fsdp_specs
 from ._gradients import leaf_plans, per_device_gradients
-from ._placement import optimizer_specs
+from ._placement import constrain_to_specs, optimizer_specs
 from ._precision import Precision
 from ._step import TrainStep
 
 # `loss_fn(model, batch, key) -> loss`, or with state `loss_fn(model, state, batch, key) -> (loss, state)`.
 LossFn = Callable[..., Float[Array, ""] | tuple[Float[Array, ""], eqx.nn.State]]
-
-
-def _constrain(tree: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
-    """Pin the step's outputs to the layout of its inputs (so the buffers can be donated
-    and the next call reuses the compilation). Explicit meshes carry it in the types."""
-    if any(t == AxisType.Explicit for t in mesh.axis_types):
-        return tree
-    arrays, others = eqx.partition(tree, eqx.is_array)
-    shardings = jax.tree.map(
-        lambda s, x: None if x is None else NamedSharding(mesh, s or PartitionSpec()), specs, arrays, is_leaf=is_spec
-    )
-    return eqx.combine(jax.lax.with_sharding_constraint(arrays, shardings), others)
 
 
 def _build(
@@ -120,8 +108,8 @@ def _build(
         # The optimizer, on global arrays laid out like the parameters.
         params = eqx.filter(model, eqx.is_inexact_array)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        model = _constrain(eqx.apply_updates(model, updates), specs, mesh)
-        opt_state = _constrain(opt_state, optimizer_specs(optimizer, opt_state, model, specs), mesh)
+        model = constrain_to_specs(eqx.apply_updates(model, updates), specs, mesh)
+        opt_state = constrain_to_specs(opt_state, optimizer_specs(optimizer, opt_state, model, specs), mesh)
         return model, state, opt_state, {"loss": loss, "grad_norm": jnp.sqrt(grad_sq)}
 
     return TrainStep(

@@ -19,7 +19,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import PyTree
 
 from .._shard_map import filter_shard_map
@@ -36,7 +36,7 @@ from ._checks import check_batch_divides, check_builder
 from ._gradients import leaf_plans, whole_leaf
 from ._pipeline_run import PipelinePlan, gpipe_loss, one_f_one_b
 from ._pipeline_stages import Stages
-from ._placement import optimizer_specs
+from ._placement import constrain_to_specs, optimizer_specs
 from ._precision import Precision
 from ._schedule import SCHEDULES, make_schedule
 from ._step import TrainStep
@@ -95,16 +95,6 @@ def pipeline_specs(stages: Stages, model: PyTree, specs: PyTree, stage_axis: str
             )
         out.append(PartitionSpec(*entries))
     return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _pin(tree: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
-    if any(t == AxisType.Explicit for t in mesh.axis_types):
-        return tree
-    arrays, others = eqx.partition(tree, eqx.is_array)
-    shardings = jax.tree.map(
-        lambda s, x: None if x is None else NamedSharding(mesh, s or PartitionSpec()), specs, arrays, is_leaf=is_spec
-    )
-    return eqx.combine(jax.lax.with_sharding_constraint(arrays, shardings), others)
 
 
 def _interleave(tree: PyTree, mask: list[bool], P: int, r: int, inverse: bool) -> PyTree:
@@ -290,8 +280,8 @@ def pipeline_step(
         grads = _interleave(grads, grad_mask, P, r, inverse=True)
         params = eqx.filter(model, eqx.is_inexact_array)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        model = _pin(eqx.apply_updates(model, updates), specs, mesh)
-        opt_state = _pin(opt_state, optimizer_specs(optimizer, opt_state, model, specs), mesh)
+        model = constrain_to_specs(eqx.apply_updates(model, updates), specs, mesh)
+        opt_state = constrain_to_specs(opt_state, optimizer_specs(optimizer, opt_state, model, specs), mesh)
         return model, state, opt_state, {"loss": loss, "grad_norm": jnp.sqrt(grad_sq)}
 
     out = TrainStep(step, who=who, optimizer=optimizer, specs_for=specs_for, mesh=mesh,

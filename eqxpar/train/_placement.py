@@ -6,7 +6,7 @@ from __future__ import annotations
 import equinox as eqx
 import jax
 import optax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, ArrayLike, PyTree
 
 from .._sharding import shard
@@ -78,3 +78,16 @@ def optimizer_specs(
         transform_non_params=lambda _: PartitionSpec(),
         is_leaf=is_spec,
     )
+
+
+def constrain_to_specs(tree: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
+    """Pin a step's outputs (the updated model, the optimizer state) to the layout of its
+    inputs, `specs` on `mesh`, so the buffers can be donated and the next call reuses the
+    compilation. On an Explicit mesh the layout is in the types already: `tree` as it is."""
+    if any(t == AxisType.Explicit for t in mesh.axis_types):
+        return tree
+    arrays, others = eqx.partition(tree, eqx.is_array)
+    shardings = jax.tree.map(
+        lambda s, x: None if x is None else NamedSharding(mesh, s or PartitionSpec()), specs, arrays, is_leaf=is_spec
+    )
+    return eqx.combine(jax.lax.with_sharding_constraint(arrays, shardings), others)
