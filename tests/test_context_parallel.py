@@ -21,6 +21,7 @@ from eqxpar.nn import (
     ring_attention,
 )
 from _budget import examples
+from _dense_attention import dense_attention
 
 VOCAB, DIM, HEADS, SEQ, BATCH = 11, 8, 2, 16, 4
 
@@ -48,14 +49,6 @@ class Toy(eqx.Module):
         q, k, v = (t.reshape(*t.shape[:-1], HEADS, DIM // HEADS) for t in (q, k, v))
         x = x + attend(q, k, v).reshape(x.shape) @ self.out
         return x @ self.head
-
-
-def dense_attention(q, k, v, causal):
-    logits = jnp.einsum("...qhd,...khd->...hqk", q / math.sqrt(q.shape[-1]), k)
-    if causal:
-        s = q.shape[-3]
-        logits = jnp.where(jnp.tril(jnp.ones((s, s), bool)), logits, -jnp.inf)
-    return jnp.einsum("...hqk,...khd->...qhd", jax.nn.softmax(logits, axis=-1), v)
 
 
 def cross_entropy(logits, targets):

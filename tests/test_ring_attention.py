@@ -2,8 +2,6 @@
 whole sequence: forward and gradients, causal or not, zigzag or contiguous, context 2/4/8.
 A ring with a step dropped or doubled does not."""
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,15 +20,7 @@ from eqxpar.nn import (
     zigzag_order,
 )
 from _budget import examples
-
-
-def dense_attention(q, k, v, causal):
-    """Plain softmax attention on the whole sequence, original order: (*b, S, h, d)."""
-    logits = jnp.einsum("...qhd,...khd->...hqk", q / math.sqrt(q.shape[-1]), k)
-    if causal:
-        s = q.shape[-3]
-        logits = jnp.where(jnp.tril(jnp.ones((s, s), bool)), logits, -jnp.inf)
-    return jnp.einsum("...hqk,...khd->...qhd", jax.nn.softmax(logits, axis=-1), v)
+from _dense_attention import dense_attention
 
 
 def context_attention(fn, mesh, layout, causal):
