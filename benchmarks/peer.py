@@ -55,32 +55,42 @@ KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective
 TARGETS = {"time": 0.95, "bytes": 1.0, "temp": 1.0}
 
 
-def parse(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """The GPT's shape and FSDP's `min_size`: the flags this script and profile_step.py share."""
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--context", type=int, default=32, help="tokens per sequence")
     parser.add_argument("--batch", type=int, default=32, help="global batch (sequences per step)")
-    parser.add_argument("--rounds", type=int, default=None, help="timed A/B rounds per strategy (15; --quick: 3)")
-    parser.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
-                        help="comma-separated: dp, tp, hybrid, fsdp (default), single (one device)")
     parser.add_argument("--fsdp-min-size", type=int, default=0,
                         help="FSDP: arrays with fewer elements stay whole, in both programs (fsdp_specs' min_size)")
-    parser.add_argument("--quick", action="store_true", help="tiny model, 3 rounds: a smoke test")
-    parser.add_argument("--out", help="write the results as JSON here")
-    args = parser.parse_args(argv)
+
+
+def finish_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`--quick`'s tiny GPT, and `--strategies` split and checked against `STRATEGIES`."""
     if args.quick:
         args.dim, args.heads, args.layers, args.context, args.batch = 32, 8, 1, 8, 8
-    if args.rounds is None:
-        args.rounds = 3 if args.quick else 15
-    if args.rounds < 1:
-        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     names = [n.strip() for n in args.strategies.split(",") if n.strip()]
     unknown = [n for n in names if n not in STRATEGIES]
     if unknown:
         parser.error(f"unknown strategies {unknown}; choose from {list(STRATEGIES)}")
     args.strategies = names
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_flags(parser)
+    parser.add_argument("--rounds", type=int, default=None, help="timed A/B rounds per strategy (15; --quick: 3)")
+    parser.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
+                        help="comma-separated: dp, tp, hybrid, fsdp (default), single (one device)")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 3 rounds: a smoke test")
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    finish_model_flags(parser, args)
+    if args.rounds is None:
+        args.rounds = 3 if args.quick else 15
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     return args
 
 

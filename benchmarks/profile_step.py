@@ -73,24 +73,18 @@ def _load_peer():
 
 def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--context", type=int, default=32, help="tokens per sequence")
-    parser.add_argument("--batch", type=int, default=32, help="global batch (sequences per step)")
+    peer = _load_peer()
+    peer.add_model_flags(parser)
     parser.add_argument("--steps", type=int, default=None, help="profiled steps of each program (8; --quick: 2)")
     parser.add_argument("--strategies", default="hybrid,fsdp", help="comma-separated: dp, tp, hybrid, fsdp, single")
     parser.add_argument("--rounds", type=int, default=None,
                         help="A/B rounds timed without the profiler first (8; --quick: 1)")
     parser.add_argument("--top", type=int, default=12, help="rows in the per-operation table")
-    parser.add_argument("--fsdp-min-size", type=int, default=0,
-                        help="FSDP: arrays with fewer elements stay whole, in both programs (as in peer.py)")
     parser.add_argument("--quick", action="store_true", help="tiny GPT, 2 steps: a smoke test")
     parser.add_argument("--trace-dir", help="keep the raw traces here (default: a temporary folder, removed)")
     parser.add_argument("--out", help="write the tables as JSON here")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.dim, args.heads, args.layers, args.context, args.batch = 32, 8, 1, 8, 8
+    peer.finish_model_flags(parser, args)
     if args.steps is None:
         args.steps = 2 if args.quick else 8
     if args.rounds is None:
@@ -99,12 +93,6 @@ def parse(argv=None):
         parser.error(f"--rounds must be at least 0, got {args.rounds}")
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
-    names = [n.strip() for n in args.strategies.split(",") if n.strip()]
-    peer = _load_peer()
-    unknown = [n for n in names if n not in peer.STRATEGIES]
-    if unknown:
-        parser.error(f"unknown strategies {unknown}; choose from {list(peer.STRATEGIES)}")
-    args.strategies = names
     return args
 
 
