@@ -125,7 +125,8 @@ def sequence_parallel_theory(
     twice the all-reduces' count; over each link it is the same bytes (a ring all-reduce
     sends `2 (N - 1) / N` of its array, an all-gather or a reduce-scatter `(N - 1) / N`).
     Parameters used on sequence blocks (biases, layer norms) add an all-reduce of their
-    gradients, not counted here.
+    gradients, not counted here
+    ([`eqxpar.models.gpt_tensor_parallel_theory`][] adds them for the GPT).
 
     **Arguments:**
 

@@ -13,7 +13,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from .._specs import AxisNames
-from ..inspect import CommTheory
+from ..inspect import CommTheory, sequence_parallel_theory
 from ..inspect._format import axes_key
 from ..inspect._theory import axis_size, term
 from ._gpt import GPT
@@ -107,7 +107,11 @@ def gpt_tensor_parallel_theory(
     stream = tokens * dim * itemsize
     blocks = len(model.blocks)
     if model.sequence_parallel:
-        return _sequence_parallel_terms(model, axes, blocks, stream, tokens, seq_len, dim, itemsize, remat)
+        blocks_theory = sequence_parallel_theory(
+            mesh, batch=batch_size, seq_len=seq_len, dim=dim, num_layers=blocks, batch_axis=batch_axis,
+            context_axis=context_axis, model_axis=model.axis_name, dtype=model.position_embedding.weight.dtype,
+        )
+        return _sequence_parallel_terms(model, blocks_theory, axes, blocks, stream, tokens, seq_len, dim, itemsize, remat)
     return CommTheory(
         term("all-reduce", axes, 2 * blocks * stream, f"{blocks} blocks x (attention, MLP) outputs, forward")
         + term(
@@ -120,9 +124,12 @@ def gpt_tensor_parallel_theory(
     )
 
 
-def _sequence_parallel_terms(model, axes, blocks, stream, tokens, seq_len, dim, itemsize, remat) -> CommTheory:
-    """`gpt_tensor_parallel_theory` for a GPT with `sequence_parallel=True`."""
-    regions = 4 * blocks + 2  # per direction: 2L block regions, the embedding, the head
+def _sequence_parallel_terms(
+    model, blocks_theory, axes, blocks, stream, tokens, seq_len, dim, itemsize, remat
+) -> CommTheory:
+    """`gpt_tensor_parallel_theory` for a GPT with `sequence_parallel=True`: the blocks'
+    residual traffic (`blocks_theory`, from `eqxpar.inspect.sequence_parallel_theory`)
+    and what the GPT adds around them."""
     # Parameters that see only this device's positions: 2 layer norms per block and the
     # final one (weight and bias each), the MLP's output biases, the position rows of a
     # whole sequence (each device reads some of them).
@@ -131,8 +138,9 @@ def _sequence_parallel_terms(model, axes, blocks, stream, tokens, seq_len, dim, 
     biases = blocks * dim if block.mlp.use_bias else 0
     params = (norms + biases + seq_len * dim) * itemsize
     terms = (
-        term("all-gather", axes, regions * stream, f"SP: {blocks} blocks x 2 regions + head inputs (fwd), embedding + outputs (bwd)")
-        + term("reduce-scatter", axes, regions * stream, f"SP: {blocks} blocks x 2 regions + embedding outputs (fwd), head + inputs (bwd)")
+        blocks_theory.terms
+        + term("all-gather", axes, 2 * stream, "SP: the head's input (fwd), the embedding's output gradient (bwd)")
+        + term("reduce-scatter", axes, 2 * stream, "SP: the embedding's output (fwd), the head's input gradient (bwd)")
         + term("all-reduce", axes, params, "SP: gradients of layer norms, MLP output biases, position rows")
         + term("all-reduce", axes, 3 * tokens * itemsize, "cross-entropy: max, sum of exponentials, target logit")
     )
