@@ -37,7 +37,7 @@ import eqxpar
 import eqxpar.recipe
 from eqxpar.datasets import python_source_text, text_windows
 from eqxpar.inspect import CommReport, context_parallel_theory, data_parallel_theory
-from eqxpar.models import GPT, gpt_tensor_parallel_theory
+from eqxpar.models import GPT, gpt_activation_theory, gpt_tensor_parallel_theory
 from eqxpar.nn import layout_order, vocab_parallel_cross_entropy
 
 MODES = ("ring", "all_gather")
@@ -49,6 +49,8 @@ class Config:
     mesh: str = "auto"  # data, context and model axes, e.g. data=2,context=2,model=2; auto: fit the devices
     attention: str = "ring"  # ring (K/V blocks passed around) or all_gather (K/V gathered once per layer)
     sequence_parallel: bool = False  # also split the positions over `model` between the tensor-parallel layers
+    remat: str = "none"  # what the backward pass recomputes: none, block or save_matmuls
+    scan_layers: bool = False  # run the blocks as one jax.lax.scan over stacked weights
     steps: int = 10  # training steps
     batch_size: int = 2  # sequences per step
     seq_len: int = 1024  # characters per sequence
@@ -63,6 +65,8 @@ class Config:
 def check_flags(cfg: Config) -> Config:
     """Every check of the flags, before anything compiles; returns `cfg` with its mesh chosen."""
     eqxpar.recipe.require_positive(cfg, "steps", "batch_size", "seq_len", "dim", "heads", "layers")
+    if cfg.remat not in ("none", "block", "save_matmuls"):
+        raise ValueError(f"--remat must be one of none, block, save_matmuls, got {cfg.remat!r}.")
     if cfg.attention not in MODES:
         raise ValueError(f"--attention must be one of {', '.join(MODES)}, got {cfg.attention!r}.")
     if cfg.dim % cfg.heads:
@@ -106,7 +110,8 @@ def main(argv=None) -> dict:
     model_key = jax.random.split(jax.random.key(cfg.seed))[0]
     model = GPT(
         text.vocab_size, cfg.seq_len, cfg.dim, cfg.heads, cfg.layers, axis_name="model",
-        attention_impl=cfg.attention, sequence_parallel=cfg.sequence_parallel, key=model_key,
+        attention_impl=cfg.attention, sequence_parallel=cfg.sequence_parallel, remat=cfg.remat,
+        scan_layers=cfg.scan_layers, key=model_key,
     )
 
     def loss_fn(model, batch, key=None):
@@ -123,21 +128,29 @@ def main(argv=None) -> dict:
     # --- What one step moves and keeps, read from the compiled program, against theory. ---
     lowered = step.lower(model, opt_state, batch(0))
     temp_bytes = lowered.compile().memory_analysis().temp_size_in_bytes
+    # Activation memory: what autodiff keeps for the backward pass (traced), and its theory.
+    saved_bytes = step.saved_activation_bytes(model, opt_state, batch(0))
+    activations = gpt_activation_theory(
+        model, mesh, cfg.batch_size, cfg.seq_len, batch_axis="data", context_axis="context"
+    )
     comm = CommReport.of(lowered, mesh=mesh)
     # The theory, axis by axis: the gradient all-reduce over data and context, the
     # tensor-parallel (or sequence-parallel) layers over model, the K/V traffic over context.
     theory = (
         data_parallel_theory(model, mesh, eqxpar.nn.partition_specs(model, mesh), batch_axis=("data", "context"))
-        + gpt_tensor_parallel_theory(model, mesh, cfg.batch_size, cfg.seq_len, batch_axis="data", context_axis="context")
+        + gpt_tensor_parallel_theory(
+            model, mesh, cfg.batch_size, cfg.seq_len, batch_axis="data", context_axis="context", remat=cfg.remat == "block"
+        )
         + context_parallel_theory(
             mesh, batch=cfg.batch_size, seq_len=cfg.seq_len, num_heads=cfg.heads, head_dim=cfg.dim // cfg.heads,
-            num_layers=cfg.layers, mode=cfg.attention, model_axis="model",
+            num_layers=cfg.layers, mode=cfg.attention, model_axis="model", remat=cfg.remat == "block",
         )
     )
     comparison = comm.versus(theory)
     if eqxpar.recipe.is_main_process():
         print(f"mesh {dict(mesh.shape)}, {cfg.seq_len} characters per sequence, {cfg.seq_len // c} per device")
-        print(f"temporaries per device: {temp_bytes:,} bytes")
+        print(activations)
+        print(activations.versus(saved=saved_bytes, temporaries=temp_bytes))
         print(comparison if comparison.rows else "one device: no collectives")
 
     # --- Training loop. ---
@@ -156,7 +169,12 @@ def main(argv=None) -> dict:
         "steps": cfg.steps,
         "first_loss": losses[0],
         "final_loss": losses[-1],
+        "remat": cfg.remat,
+        "scan_layers": cfg.scan_layers,
         "temp_bytes_per_device": int(temp_bytes),
+        "activation_bytes_saved": int(saved_bytes),  # kept by autodiff for the backward pass, per device
+        "activation_bytes_theory": activations.total,
+        "activation_bytes_per_block_theory": activations.per_block,
         "comm_bytes_measured": {f"{r.kind} {'/'.join(r.axes)}": int(r.compiled) for r in comparison.rows},
         "comm_bytes_theory": {f"{r.kind} {'/'.join(r.axes)}": int(r.theory) for r in comparison.rows},
         "comm_ratio": comparison.ratio() if comparison.rows else None,  # measured / theory, all bytes

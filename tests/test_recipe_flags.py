@@ -117,6 +117,7 @@ INPROCESS_CASES = [
     ("tensor_parallel", ["--dtype", "float16"], "--dtype must be one of float32, bfloat16, got 'float16'"),
     ("tensor_parallel", ["--attention", "flash"], "--attention must be one of dot_product, reference"),
     ("tensor_parallel", ["--remat", "all"], "--remat must be one of none, block, save_matmuls, offload"),
+    ("long_context", ["--remat", "offload"], "--remat must be one of none, block, save_matmuls, got 'offload'"),
     ("tensor_parallel", ["--config", "7b"], "--config must be one of custom, 10m, 124m, 1.3b"),
     ("tensor_parallel", ["--config", "10m", "--mesh", "model=4"], "model=4 does not divide --heads 6"),
     ("tensor_parallel", ["--scan-layers", "yes"], "Unrecognized options: yes"),

@@ -22,7 +22,10 @@ The theory functions ([`eqxpar.inspect.data_parallel_theory`][],
 needs, per collective kind and mesh axes; add them for combined strategies and put them
 beside a report with [`eqxpar.inspect.CommReport.versus`][].
 [`eqxpar.inspect.memory_report`][] reads a step's per-device memory (parameters, optimizer
-state, temporaries); it takes the same inputs as `communication_report`.
+state, temporaries, and for eqxpar's train steps the bytes autodiff keeps for the backward
+pass); it takes the same inputs as `communication_report`. An
+[`eqxpar.inspect.ActivationTheory`][] (the GPT's: [`eqxpar.models.gpt_activation_theory`][])
+says which arrays those kept bytes are, term by term, and puts its total beside them.
 
 **Bytes convention.** Every figure is bytes per device per step, of the array the
 collective is defined on: for an all-reduce the array reduced; for an all-gather the
@@ -36,6 +39,7 @@ twice that for an all-reduce. A collective over groups of one device moves nothi
 from ._collective import COLLECTIVE_KINDS, Collective
 from ._hlo import collectives_in_hlo, collectives_in_lowered
 from ._memory import MemoryReport, memory_report
+from ._activation_theory import ActivationTerm, ActivationTheory
 from ._report import CommReport, communication_report
 from ._flops import PEAK_FLOPS, compiled_flops, mfu, peak_flops, transformer_flops_per_token
 from ._context_theory import context_parallel_theory, sequence_parallel_theory
@@ -58,6 +62,8 @@ __all__ = [
     "sequence_parallel_theory",
     "MemoryReport",
     "memory_report",
+    "ActivationTerm",
+    "ActivationTheory",
     "transformer_flops_per_token",
     "compiled_flops",
     "PEAK_FLOPS",

@@ -24,6 +24,9 @@ class MemoryReport:
     hold. The rest is XLA's `memory_analysis()` of the compiled program, per device:
     `arguments` (all inputs), `outputs`, `aliased` (outputs written into donated
     inputs), `temporaries` (activations and other scratch) and `generated_code`.
+    `saved_activations` is what autodiff keeps from the forward pass for the backward pass
+    (for eqxpar's train steps, [`eqxpar.train.TrainStep.saved_activation_bytes`][]; `None`
+    for other functions): the figure an [`eqxpar.inspect.ActivationTheory`][] predicts.
 
     `print(report)` shows a table; [`MemoryReport.versus`][eqxpar.inspect.MemoryReport.versus]
     puts it beside another report (e.g. the single-device step's, for the temporaries).
@@ -40,6 +43,7 @@ class MemoryReport:
     aliased: int
     temporaries: int
     generated_code: int
+    saved_activations: int | None = None
 
     @property
     def state(self) -> int:
@@ -126,6 +130,7 @@ class MemoryReport:
             row("parameters + optimizer", self.state, self.state_whole),
             row("other inputs", self.other_inputs, self.other_inputs_whole),
             ("temporaries", f"{self.temporaries:,}", "", ""),
+            *([("saved for the backward pass", f"{self.saved_activations:,}", "", "")] if self.saved_activations is not None else []),
             ("peak (estimate)", f"{self.peak:,}", "", ""),
         ]
         return "\n".join(table(("memory", "per device", "whole (1 device)", "ratio"), rows))
@@ -139,7 +144,8 @@ def memory_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryRe
     other function (wrapped in `eqx.filter_jit`), with its arguments; or a program already
     lowered or compiled, with the arguments it was lowered for (then only counted). Nothing
     runs. The first argument counts as the parameters, the second (if any) as the
-    optimizer state, the rest (keyword arguments included) as other inputs.
+    optimizer state, the rest (keyword arguments included) as other inputs. For an eqxpar
+    train step the report also has `saved_activations` (traced, not compiled again).
 
     **Arguments:**
 
@@ -160,7 +166,11 @@ def memory_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryRe
         raise ValueError("memory_report: pass the step's arguments (model, opt_state, batch, ...) after it.")
     _, compiled = stages("memory_report", fn, args, kwargs)
     model, opt_state, *rest = (*args, None) if len(args) == 1 else args
-    return MemoryReport.of(compiled, model, opt_state, *rest, *kwargs.values())
+    report = MemoryReport.of(compiled, model, opt_state, *rest, *kwargs.values())
+    saved = getattr(fn, "saved_activation_bytes", None)
+    if callable(saved):
+        report = dataclasses.replace(report, saved_activations=saved(*args, **kwargs))
+    return report
 
 
 def _tree_nbytes(tree: PyTree) -> tuple[int, int]:

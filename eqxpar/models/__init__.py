@@ -20,6 +20,7 @@ from ._block import REMAT_CHOICES, TransformerBlock, remat_wrapper, sequence_dro
 from ._generate import generate, whole_logits
 from ._gpt import GPT, next_token_loss, stack_blocks, unstack_blocks
 from ._communication import gpt_tensor_parallel_theory
+from ._memory import gpt_activation_theory
 from ._flops import gpt_flops_per_token, gpt_matmul_params
 from ._configs import GPT_CONFIGS, GPTConfig, gpt_config
 
@@ -35,6 +36,7 @@ __all__ = [
     "stack_blocks",
     "unstack_blocks",
     "gpt_tensor_parallel_theory",
+    "gpt_activation_theory",
     "gpt_flops_per_token",
     "gpt_matmul_params",
     "GPTConfig",

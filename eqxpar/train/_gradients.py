@@ -32,6 +32,7 @@ from ..nn import StackedLayers
 from .._specs import entry_axes, pad_spec, path_str, spec_axes
 from ._checks import checked_loss
 from ._precision import Precision
+from ._saved import record_saved_activations
 
 # Per leaf: the (batch axes, dimension) pairs to all-gather, in order.
 Gathers = tuple[tuple[tuple[str, ...], int], ...]
@@ -206,6 +207,7 @@ def per_device_gradients(
         leaves = [jax.lax.pcast(x, p.copied, to="varying") if p.copied else x for x, p in zip(leaves, live)]
         params = jax.tree_util.tree_unflatten(treedef, leaves)
         if grad_accum == 1:
+            record_saved_activations(lambda p: loss_share(p, static, state, batch, key), params, (state, batch, key))
             (loss, state), grads = share_value_and_grad(params, static, state, batch, key)
         else:
 
@@ -213,6 +215,9 @@ def per_device_gradients(
                 loss_sum, grad_sum, state = carry
                 k, micro_batch = inputs
                 micro_key = None if key is None else jax.random.fold_in(key, k)
+                record_saved_activations(
+                    lambda p: loss_share(p, static, state, micro_batch, micro_key), params, (state, micro_batch, micro_key)
+                )
                 (loss, state), grads = share_value_and_grad(params, static, state, micro_batch, micro_key)
                 return (loss_sum + loss.astype(jnp.float32), jax.tree.map(jnp.add, grad_sum, grads), state), None
 

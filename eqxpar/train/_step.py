@@ -15,6 +15,7 @@ from jaxtyping import PyTree
 from .._sharding import shard
 from .._specs import path_str
 from ._placement import optimizer_specs
+from ._saved import recording_saved_activations
 
 
 @jax.tree_util.register_static
@@ -64,6 +65,9 @@ class TrainStep:
     and returns the `jax.stages.Lowered` computation (`.compile().as_text()` is the
     per-device HLO, with its collectives).
 
+    `step.saved_activation_bytes(...)` takes the step's arguments and returns the bytes one
+    device keeps from the forward pass for the backward pass (traced, not compiled).
+
     Attributes: `mesh`, `batch_axis`, `grad_accum`, `has_state`, as given to the builder.
     """
 
@@ -88,6 +92,7 @@ class TrainStep:
             out = fn(_join_arrays(kept, kept_static), *_join_arrays(donated, donated_static))
             return _split_arrays(out)
 
+        self._flat_fn = flat_fn
         self._jitted = jax.jit(flat_fn, static_argnums=2, donate_argnums=0)
         self._who = who
         self._optimizer = optimizer
@@ -198,3 +203,35 @@ class TrainStep:
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """The lowered step for these arguments (see the class docstring)."""
         return self._jitted.lower(*self._flatten(args, kwargs))
+
+    def saved_activation_bytes(self, *args: Any, **kwargs: Any) -> int | None:
+        """The bytes one device keeps from the forward pass for the backward pass of one
+        micro-batch: the residuals of JAX's autodiff of the per-device loss (activations
+        such as matmul inputs and softmax outputs; under remat only what the policy saves;
+        under FSDP without remat also the gathered weights), counted once each, without
+        the parameters, batch and key the step holds anyway. Only traces the step: nothing
+        compiles or runs, and nothing is donated.
+
+        This is the figure an activation-memory theory (e.g.
+        [`eqxpar.models.gpt_activation_theory`][]) predicts. XLA's temporaries
+        ([`eqxpar.inspect.memory_report`][]) differ: XLA may fuse cheap elementwise
+        residuals away, and adds the gradients, optimizer temporaries and scratch.
+
+        **Arguments:**
+
+        The step's arguments, as in a call: `model, opt_state, batch, key=None`.
+
+        **Returns:**
+
+        Bytes per device (per micro-batch with `grad_accum > 1`), or `None` for a step with
+        no one backward pass to measure (the pipeline step, whose schedule keeps a set per
+        micro-batch in flight).
+
+        **Raises:**
+
+        - `ValueError` for the argument mistakes a call would raise for.
+        """
+        donated, kept, static = self._flatten(args, kwargs)
+        with recording_saved_activations() as record:
+            jax.eval_shape(lambda d, k: self._flat_fn(d, k, static), donated, kept)
+        return max(record) if record else None

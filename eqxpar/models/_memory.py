@@ -1,0 +1,199 @@
+"""What a GPT step keeps for its backward pass, per device: the GPT's activation theory.
+
+Beside the GPT because it knows its layers. Counts per device and micro-batch, with `b`
+examples per device (the batch over the batch axes), `S` positions per sequence, `C`
+context shards (`S_c = S / C` positions per device), `N` devices on the model axis,
+`T = b S_c` tokens in the tensor-parallel regions and `T_r` in the residual stream (`T / N`
+with sequence parallelism, `T` without), width `d`, `H` heads of `d_h`, MLP width `h`:
+
+- `remat="block"`: each block keeps its input, `T_r d` values: the rest is recomputed.
+- `remat="save_matmuls"`: each block keeps its input and the matmul outputs that its
+  backward pass reads or needs to recompute the rest: q, k, v (`3 T H d_h / N`), the
+  attention scores (`b H/N S_c S`) and their product with v (the ring's causal blocks: see
+  the code), the output projection's partial sums (`T d`) and the MLP's hidden layer
+  (`T h / N`). Attention probabilities, layer norms and the activation are recomputed.
+- `remat="none"`: the least the backward pass reads: per layer norm its normalised input
+  and inverse deviation, each linear layer's input, q, k, v, the attention probabilities
+  (ring attention: its output and log-sum-exp), the MLP's hidden layer before and after
+  the activation, dropout masks. Autodiff keeps more (intermediate values of the layer
+  norms, of the tanh-approximated GELU, of the softmax), so this is a lower bound.
+
+Outside the blocks: the final norm, the head's input and the cross-entropy's softmax over
+this device's vocabulary block (the least the backward pass reads).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from .._specs import AxisNames, check_axes
+from ..inspect import ActivationTerm, ActivationTheory
+from ._gpt import GPT
+
+_CONTEXT_IMPLS = ("ring", "all_gather")
+
+
+def gpt_activation_theory(
+    model: Any,
+    mesh: Mesh,
+    batch_size: int,
+    seq_len: int,
+    *,
+    batch_axis: AxisNames | None = None,
+    context_axis: str | None = None,
+    dtype: Any = None,
+) -> ActivationTheory:
+    """The bytes one device keeps from a GPT step's forward pass for its backward pass.
+
+    Counts one micro-batch of a tensor-parallel (and context- and sequence-parallel)
+    [`eqxpar.models.GPT`][] under its own `remat` choice (see the module docs for the
+    terms). For `remat="block"` and `"save_matmuls"` the per-block terms are what the remat
+    policy saves, which is what JAX's autodiff keeps: they equal, byte for byte, the
+    difference that one more block makes to
+    [`eqxpar.train.TrainStep.saved_activation_bytes`][] (for the XLA attention; a fused
+    kernel such as cuDNN's keeps its own). For `remat="none"` they are the least the
+    backward pass reads, a lower bound.
+
+    **Arguments:**
+
+    - `model`: the GPT (global form).
+    - `mesh`: the step's mesh, with the GPT's model axis.
+    - `batch_size`: the global batch size (sequences per micro-batch).
+    - `seq_len`: positions per sequence the model reads.
+    - `batch_axis`: the axis (or axes) the batch is split over, if any.
+    - `context_axis`: the axis every sequence is split over (context parallelism): needed
+      exactly when the GPT's `attention_impl` is `"ring"` or `"all_gather"`.
+    - `dtype`: the dtype the model computes in (default: its parameters' dtype; pass
+      `jnp.bfloat16` for a step with bfloat16 compute).
+
+    **Returns:**
+
+    An [`eqxpar.inspect.ActivationTheory`][].
+
+    **Raises:**
+
+    - `ValueError` if `model` is not a GPT, the mesh lacks an axis, sizes do not split, the
+      context axis does not match the attention, or for `remat="offload"` (its saved
+      arrays live in host memory, which this does not model).
+    """
+    who = "gpt_activation_theory"
+    if not isinstance(model, GPT):
+        raise ValueError(f"{who}: model must be an eqxpar.models.GPT, got {type(model).__name__}.")
+    if model.remat not in ("none", "block", "save_matmuls"):
+        raise ValueError(
+            f"{who}: remat={model.remat!r} keeps its saved arrays in host memory, which this "
+            f"theory does not count; it models remat 'none', 'block' and 'save_matmuls'."
+        )
+    context = model.attention_impl in _CONTEXT_IMPLS
+    if context != (context_axis is not None):
+        raise ValueError(
+            f"{who}: the GPT's attention_impl={model.attention_impl!r} "
+            + ("splits the sequence over a context axis: pass context_axis." if context else
+               "does not split the sequence: pass context_axis=None (or use ring/all_gather attention).")
+        )
+    n = check_axes(mesh, model.axis_name, who=who, arg="the GPT's axis_name", role="to split the layers over")
+    replicas = 1 if batch_axis is None else check_axes(mesh, batch_axis, who=who, arg="batch_axis", role="to split the batch over")
+    c = 1 if context_axis is None else check_axes(mesh, context_axis, who=who, arg="context_axis", role="to split the sequence over")
+    if not (isinstance(batch_size, int) and batch_size > 0 and batch_size % replicas == 0):
+        raise ValueError(f"{who}: batch_size must be a positive multiple of the {replicas} data shards, got {batch_size!r}.")
+    if not (isinstance(seq_len, int) and 0 < seq_len <= model.context_length and seq_len % c == 0):
+        raise ValueError(
+            f"{who}: seq_len must be in 1..{model.context_length} (the GPT's context) and split over the "
+            f"{c} context shards, got {seq_len!r}."
+        )
+    if model.sequence_parallel and (seq_len // c) % n:
+        raise ValueError(f"{who}: sequence_parallel splits {seq_len // c} positions over model={n}, which does not divide them.")
+
+    block = model.blocks.layers if model.scan_layers else model.blocks[0]
+    attention = block.attention
+    e = np.dtype(dtype or model.position_embedding.weight.dtype).itemsize
+    f32 = np.dtype(jnp.float32).itemsize
+    b, s_c = batch_size // replicas, seq_len // c
+    t = b * s_c  # tokens in the tensor-parallel regions
+    t_r = t // n if model.sequence_parallel else t  # tokens of the residual stream
+    dim = model.position_embedding.weight.shape[-1]
+    heads = attention.num_heads // n
+    qk, vo = heads * attention.qk_size, heads * attention.vo_size  # per device, per token
+    hidden = block.mlp.hidden.weight.shape[-2] // n
+    residual_dropout = _active(model.dropout.p)
+    layers = model.num_layers
+    # Context-parallel attention computes its scores and products in float32.
+    a_e = f32 if context else e
+
+    def per_block(what: str, nbytes: int) -> ActivationTerm:
+        return ActivationTerm(what, int(nbytes), layers, in_blocks=True)
+
+    block_input = per_block("block input (residual stream)", t_r * dim * e)
+    # A recomputed block draws its dropout masks again from its key (JAX's default key type).
+    any_dropout = residual_dropout or (_active(attention.dropout.p) and not context)
+    key_bytes = jax.eval_shape(lambda: jax.random.key(0)).dtype.itemsize if any_dropout else 0
+    block_key = per_block("the block's dropout key (masks are drawn again)", key_bytes)
+    if model.remat == "block":
+        blocks = (block_input, block_key)
+    elif model.remat == "save_matmuls":
+        if model.attention_impl == "ring":
+            attention_kept = (per_block("ring attention: matmul outputs of its C steps", _ring_products(b, heads, attention.vo_size, s_c, c) * a_e),)
+        else:
+            attention_kept = (
+                per_block("attention scores q k^T", b * heads * s_c * seq_len * a_e),
+                per_block("attention probabilities x v", t * vo * a_e),
+            )
+        blocks = (
+            block_input,
+            block_key,
+            per_block("q, k, v (column-parallel outputs)", t * (2 * qk + vo) * e),
+            *attention_kept,
+            per_block("output projection (partial sums, before the model-axis sum)", t * dim * e),
+            per_block("MLP hidden layer (column-parallel output)", t * hidden * e),
+        )
+    else:
+        if model.attention_impl == "ring":
+            kept_attention = per_block("ring attention log-sum-exp", b * heads * s_c * f32)
+        else:
+            kept_attention = per_block("attention probabilities", b * heads * s_c * seq_len * a_e)
+        attention_dropout = _active(attention.dropout.p) and not context
+        blocks = (
+            per_block("2 layer norms: normalised input and 1/deviation", 2 * t_r * (dim * e + f32)),
+            per_block("attention and MLP inputs (normalised, gathered)", 2 * t * dim * e),
+            per_block("q, k, v", t * (2 * qk + vo) * e),
+            kept_attention,
+            per_block("attention output (output projection input)", t * vo * e),
+            per_block("MLP hidden layer, before and after the activation", 2 * t * hidden * e),
+            per_block("residual dropout masks", 2 * t_r * dim if residual_dropout else 0),
+            per_block("attention dropout mask", b * heads * s_c * seq_len if attention_dropout else 0),
+        )
+    outside = (
+        ActivationTerm("embedding dropout mask", t_r * dim if residual_dropout else 0),
+        ActivationTerm("final layer norm: normalised input and 1/deviation", t_r * (dim * e + f32)),
+        ActivationTerm("head input (normalised, gathered)", t * dim * e),
+        ActivationTerm("cross-entropy: softmax over this device's vocabulary block", t * (model.padded_vocab_size // n) * e),
+    )
+    terms = tuple(term for term in blocks + outside if term.total)
+    return ActivationTheory(terms, layers, model.remat, exact_blocks=model.remat != "none")
+
+
+def _active(p: Any) -> bool:
+    return not (isinstance(p, (int, float)) and p == 0)
+
+
+def _ring_products(b: int, heads: int, head_dim: int, local: int, c: int) -> int:
+    """Values of the matmul outputs ring attention's forward pass computes on one device
+    (what `save_matmuls` keeps of it): on its own block the scores `(local, local)` and
+    the product with v `(head_dim, local)` per example and head; then on each of the
+    `C - 1` other blocks a `jax.lax.cond` between two causal halves (all queries on the
+    earlier half of the keys, or the later half of the queries on all keys). Autodiff
+    keeps one slot per array shape for the two branches of a cond, as many as the branch
+    that needs more, so outputs of the same shape share one."""
+    half = local // 2
+    early = collections.Counter([(local, half), (head_dim, local)])  # scores, product
+    late = collections.Counter([(half, local), (head_dim, half)])
+    slots = early | late  # per shape, the larger count
+    per_cond = sum(math.prod(shape) * n for shape, n in slots.items())
+    return b * heads * (local * local + head_dim * local + (c - 1) * per_cond)
