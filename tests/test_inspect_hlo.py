@@ -151,19 +151,22 @@ def test_named_scopes_say_which_layer_issued_each_collective():
     report = communication_report(_layered(mesh), jnp.ones((8,)))
     lowered = report.by_scope(stage="lowered")
     # One psum per call, forward and backward (psum's transpose here is a psum); the inner
-    # jit twice; the scan body once per direction. The shard_map's own backward psum (the
-    # cotangent of its input, replicated over data) belongs to the enclosing scope.
+    # jit twice; the scan body once per iteration (length 3) in each direction. The
+    # shard_map's own backward psum (the cotangent of its input, replicated over data)
+    # belongs to the enclosing scope.
     f32x2 = 2 * 4
     assert lowered == {
         "block_0/attention": (2, 2 * f32x2),
-        "block_0/loop/step": (2, 2 * f32x2),
+        "block_0/loop/step": (6, 6 * f32x2),
         "block_0/mlp": (4, 4 * f32x2),
         "block_0": (1, f32x2),
     }
     total = (report.count(stage="lowered"), report.bytes(stage="lowered"))
-    assert report.by_scope(stage="lowered", depth=1) == {"block_0": total} and total[0] == 9
-    assert report.count(scope="block_0", stage="lowered") == 9  # nested scopes included
-    assert report.count(scope="block_0/loop", stage="lowered") == 2 and report.count(scope="", stage="lowered") == 0
+    assert report.by_scope(stage="lowered", depth=1) == {"block_0": total} and total[0] == 13
+    assert report.count(scope="block_0", stage="lowered") == 13  # nested scopes included
+    assert report.count(scope="block_0/loop", stage="lowered") == 6 and report.count(scope="", stage="lowered") == 0
+    # Compiled: XLA knows the loops' trip counts too.
+    assert report.count(scope="block_0/loop/step") == 6
     assert {c.axes(mesh) for c in report.collectives(scope="block_0/attention", stage="lowered")} == {("data",)}
     assert {c.axes(mesh) for c in report.collectives(scope="block_0/mlp", stage="lowered")} == {("model",)}
     # Compiled: XLA may combine or drop some, but each keeps the scopes it came from.

@@ -1,5 +1,6 @@
 """recipes/pipeline_gpt.py as a user runs it: every schedule gives one device's final loss
-on stage=4,data=2, and prints the bubble of the formula; 1F1B's compiled step needs at
+on stage=4,data=2, prints the bubble of the formula and moves the theory's ppermute bytes
+(every tick of the schedule's loops counted); 1F1B's compiled step needs at
 most half of GPipe's temporary memory at M = 4P."""
 
 import numpy as np
@@ -26,6 +27,9 @@ def test_every_schedule_gives_one_devices_final_loss(runs, schedule):
     np.testing.assert_allclose(pipelined["final_loss"], one["final_loss"], rtol=1e-4)
     assert pipelined["bubble_fraction"] == pytest.approx(pipelined["bubble_theory"], abs=1e-12)
     assert one["bubble_fraction"] == 0.0
+    # Every tick's ppermute, counted through the schedule's loops, is the theory's.
+    assert pipelined["ppermute_bytes_measured"] == pipelined["ppermute_bytes_theory"] > 0
+    assert one["ppermute_bytes_measured"] == one["ppermute_bytes_theory"] == 0
 
 
 @pytest.mark.slow

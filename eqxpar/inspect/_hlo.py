@@ -28,6 +28,7 @@ from jax.sharding import AbstractMesh
 
 from ._collective import Collective, group_size
 from ._format import unwrap
+from ._loops import hlo_computation_runs, stablehlo_trip_count
 
 # ----------------------------------------------------------------------------------------
 # Compiled HLO text: one instruction per line, `%name = TYPE opcode(operands), attributes`.
@@ -69,7 +70,9 @@ def collectives_in_hlo(text: str) -> tuple[Collective, ...]:
 
     **Returns:**
 
-    A tuple of [`eqxpar.inspect.Collective`][], in program order.
+    A tuple of [`eqxpar.inspect.Collective`][], in program order, one per execution: a
+    collective in a loop body appears once per iteration where XLA knows the trip count
+    (`known_trip_count`: `jax.lax.scan`, static-bound `fori_loop`), once otherwise.
 
     **Raises:**
 
@@ -77,7 +80,8 @@ def collectives_in_hlo(text: str) -> tuple[Collective, ...]:
     """
     found = []
     started: dict[str, tuple] = {}  # async start name -> (replica groups, op name, pairs)
-    for line in text.splitlines():
+    runs, owners = hlo_computation_runs(text)
+    for line, owner in zip(text.splitlines(), owners):
         match = _HLO_OP.search(line)
         if match is None:
             continue
@@ -96,7 +100,8 @@ def collectives_in_hlo(text: str) -> tuple[Collective, ...]:
         shapes = tuple(tuple(int(d) for d in dims.split(",") if d) for _, dims in arrays)
         dtypes = tuple(dtype for dtype, _ in arrays)
         groups, op_name, pairs = info
-        found.append(Collective(match.group("op"), shapes, dtypes, group_size(groups), groups, op_name, pairs))
+        collective = Collective(match.group("op"), shapes, dtypes, group_size(groups), groups, op_name, pairs)
+        found.extend([collective] * (runs.get(owner, 1) if owner else 1))
     return tuple(found)
 
 
@@ -210,7 +215,9 @@ def collectives_in_lowered(lowered: Any) -> tuple[Collective, ...]:
     """The collectives of a lowered function's StableHLO module.
 
     Walked from the entry function, so that a function called from several places (an
-    inner `jax.jit`) counts once per call; a loop body counts once. Each collective's
+    inner `jax.jit`) counts once per call; a collective in a loop body counts once per
+    iteration where the loop counts a variable from a constant to a constant (JAX's
+    `scan` and static-bound `fori_loop`), once otherwise. Each collective's
     `op_name` is its location's name stack, joined with those of the `shard_map` and calls
     around it.
 
@@ -235,7 +242,7 @@ def collectives_in_lowered(lowered: Any) -> tuple[Collective, ...]:
         # From the entry point, following calls: JAX emits an inner `jax.jit` (or a cached
         # function) once as a private function and calls it from every place it is used.
         entry = functions.get("main")
-        for op, prefix in _walk(ir, entry if entry is not None else module.operation, functions):
+        for op, prefix, times in _walk(ir, entry if entry is not None else module.operation, functions):
             kind = _STABLEHLO_KINDS.get(op.name)
             if kind is None:
                 continue
@@ -249,8 +256,8 @@ def collectives_in_lowered(lowered: Any) -> tuple[Collective, ...]:
             if "source_target_pairs" in op.attributes:
                 table = np.array(ir.DenseIntElementsAttr(op.attributes["source_target_pairs"]))
                 pairs = tuple((int(a), int(b)) for a, b in table.reshape(-1, 2))
-            found.append(
-                Collective(
+            found.extend(
+                [Collective(
                     kind,
                     tuple(tuple(int(d) for d in t.shape) for t in types),
                     tuple(str(t.element_type) for t in types),
@@ -258,7 +265,8 @@ def collectives_in_lowered(lowered: Any) -> tuple[Collective, ...]:
                     groups,
                     "/".join(p for p in (*prefix, _location_name(op)) if p) or None,
                     pairs,
-                )
+                )]
+                * times
             )
     return tuple(found)
 
@@ -271,10 +279,15 @@ def _location_name(op) -> str:
         return ""
 
 
-def _walk(ir, operation, functions: dict, calling: tuple = (), prefix: tuple = ()) -> Iterable:
-    """(operation, name prefix) for every operation nested in `operation`, with each
-    `func.call` replaced by the body of the function it calls (once per call)."""
-    for region in operation.regions:
+def _walk(ir, operation, functions: dict, calling: tuple = (), prefix: tuple = (), times: int = 1) -> Iterable:
+    """(operation, name prefix, times it runs) for every operation nested in `operation`,
+    with each `func.call` replaced by the body of the function it calls (once per call)
+    and a `stablehlo.while` body run its trip count times (once if it cannot be read)."""
+    for index, region in enumerate(operation.regions):
+        inside = times
+        if operation.name == "stablehlo.while" and index == 1:
+            count = stablehlo_trip_count(ir, operation)
+            inside = times * (1 if count is None else count)
         for block in region.blocks:
             for op in block.operations:
                 op = op.operation
@@ -282,7 +295,7 @@ def _walk(ir, operation, functions: dict, calling: tuple = (), prefix: tuple = (
                 if op.name == "func.call":
                     callee = ir.FlatSymbolRefAttr(op.attributes["callee"]).value
                     if callee in functions and callee not in calling:
-                        yield from _walk(ir, functions[callee], functions, (*calling, callee), inner)
+                        yield from _walk(ir, functions[callee], functions, (*calling, callee), inner, inside)
                         continue
-                yield op, prefix
-                yield from _walk(ir, op, functions, calling, inner)
+                yield op, prefix, inside
+                yield from _walk(ir, op, functions, calling, inner, inside)

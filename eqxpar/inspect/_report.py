@@ -26,7 +26,8 @@ class CommReport:
     collectives issued inside it, see [`Collective.scopes`][eqxpar.inspect.Collective.scopes]).
     [`CommReport.by_scope`][eqxpar.inspect.CommReport.by_scope] groups them per layer;
     [`CommReport.versus`][eqxpar.inspect.CommReport.versus] puts a theory beside the
-    measured bytes. A collective inside a loop body (e.g. `jax.lax.scan`) is counted once.
+    measured bytes. A collective inside a loop body (e.g. `jax.lax.scan`) counts once per
+    iteration where the trip count can be read (see `collectives_in_hlo`), once otherwise.
     """
 
     compiled: tuple[Collective, ...]
