@@ -209,7 +209,7 @@ def _check_outputs(out_specs: PyTree, out_dyn: PyTree, mesh: Mesh, check_vma: bo
                 f"rank {len(shape)} (per-device shape {shape}). Give at most one entry per "
                 f"dimension, or return an output with a dimension to join the devices' blocks along."
             )
-        varying = _varying_axes(leaf) if check_vma else frozenset()
+        varying = varying_axes(leaf) if check_vma else frozenset()
         missing = [a for a in mesh.axis_names if a in varying and a not in spec_axes(spec)]
         if missing:
             axes = tuple(missing) if len(missing) > 1 else missing[0]
@@ -223,8 +223,9 @@ def _check_outputs(out_specs: PyTree, out_dyn: PyTree, mesh: Mesh, check_vma: bo
             )
 
 
-def _varying_axes(leaf) -> frozenset:
-    """The mesh axes a traced value inside `shard_map` varies over (empty if JAX does not say)."""
+def varying_axes(leaf) -> frozenset:
+    """The mesh axes a traced value inside `shard_map` varies over (empty outside
+    `shard_map`, for a replicated value, or if JAX does not say)."""
     aval = jax.typeof(leaf)
     mat = getattr(aval, "manual_axis_type", None)  # JAX 0.10+
     varying = getattr(mat, "varying", None)

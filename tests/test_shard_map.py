@@ -198,7 +198,7 @@ def test_jax_errors_about_out_specs_the_checks_missed_come_back_as_value_errors(
     """A JAX that hides which axes a value varies over: JAX's own check fires, reworded."""
     import eqxpar._shard_map
 
-    monkeypatch.setattr(eqxpar._shard_map, "_varying_axes", lambda leaf: frozenset())
+    monkeypatch.setattr(eqxpar._shard_map, "varying_axes", lambda leaf: frozenset())
     mesh = eqxpar.make_mesh(data=4)
     f = eqxpar.filter_shard_map(lambda x: x, mesh=mesh, in_specs=P("data"), out_specs=P())
     with pytest.raises(ValueError, match=r"^filter_shard_map: out_specs do not fit .*jax.lax.psum/pmean.*JAX reported"):

@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ..nn import ParallelMLP, ParallelMultiheadAttention
+from ..nn import ParallelMLP, ParallelMultiheadAttention, gelu, layer_norm
 
-__all__ = ["TransformerBlock", "layer_norm", "remat_wrapper", "sequence_dropout", "split_keys", "REMAT_CHOICES"]
+__all__ = ["TransformerBlock", "remat_wrapper", "sequence_dropout", "split_keys", "REMAT_CHOICES"]
 
 Remat = Literal["none", "block", "save_matmuls", "offload"]
 REMAT_CHOICES = ("none", "block", "save_matmuls", "offload")
@@ -23,34 +23,6 @@ REMAT_CHOICES = ("none", "block", "save_matmuls", "offload")
 def split_keys(key: PRNGKeyArray | None, n: int):
     """`n` keys from `key` (a tuple of `None`s without a key)."""
     return (None,) * n if key is None else tuple(jax.random.split(key, n))
-
-
-def layer_norm(norm: eqx.nn.LayerNorm, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
-    """`norm` (an `eqx.nn.LayerNorm` over the last axis) applied to every position of `x`,
-    with the same arithmetic as `eqx.nn.LayerNorm`, over any leading dimensions.
-
-    **Arguments:**
-
-    - `norm`: the layer norm (its `shape` is `(dim,)`).
-    - `x`: shape `(*batch, dim)`.
-
-    **Returns:**
-
-    The normalised `x`, same shape and dtype.
-    """
-    with jax.named_scope("LayerNorm"):
-        if x.shape[-1:] != tuple(norm.shape):
-            raise ValueError(f"layer_norm: the norm's shape is {norm.shape}, but x has shape {x.shape}.")
-        dtype = jnp.result_type(x.dtype, jnp.float32)
-        y = x.astype(dtype)
-        mean = jnp.mean(y, axis=-1, keepdims=True)
-        variance = jnp.maximum(0.0, jnp.var(y, axis=-1, keepdims=True))
-        out = (y - mean) * jax.lax.rsqrt(variance + norm.eps)
-        if norm.use_weight:
-            out = norm.weight.astype(dtype) * out
-        if norm.use_bias:
-            out = out + norm.bias.astype(dtype)
-        return out.astype(x.dtype)
 
 
 def sequence_dropout(
@@ -200,7 +172,7 @@ class TransformerBlock(eqx.Module):
         )
         self.mlp_norm = eqx.nn.LayerNorm(dim)
         self.mlp = ParallelMLP(
-            dim, dim, mlp_ratio * dim, activation=jax.nn.gelu, axis_name=axis_name, key=mlp_key
+            dim, dim, mlp_ratio * dim, activation=gelu, axis_name=axis_name, key=mlp_key
         )
         self.dropout = eqx.nn.Dropout(dropout_p)
         self.sequence_parallel = sequence_parallel

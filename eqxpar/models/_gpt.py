@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..nn import (
+    layer_norm,
     ColumnParallelLinear,
     StackedLayers,
     TensorParallelLayer,
@@ -18,7 +19,7 @@ from ..nn import (
     context_positions,
     vocab_parallel_cross_entropy,
 )
-from ._block import REMAT_CHOICES, Remat, TransformerBlock, layer_norm, remat_wrapper, sequence_dropout, split_keys
+from ._block import REMAT_CHOICES, Remat, TransformerBlock, remat_wrapper, sequence_dropout, split_keys
 
 __all__ = ["GPT", "next_token_loss", "stack_blocks", "unstack_blocks"]
 

@@ -14,9 +14,10 @@ with sequence parallelism, `T` without), width `d`, `H` heads of `d_h`, MLP widt
   (`T h / N`). Attention probabilities, layer norms and the activation are recomputed.
 - `remat="none"`: the least the backward pass reads: per layer norm its normalised input
   and inverse deviation, each linear layer's input, q, k, v, the attention probabilities
-  (ring attention: its output and log-sum-exp), the MLP's hidden layer before and after
-  the activation, dropout masks. Autodiff keeps more (intermediate values of the layer
-  norms, of the tanh-approximated GELU, of the softmax), so this is a lower bound.
+  (ring attention: its output and log-sum-exp; all-gather attention: also the gathered
+  keys and values), the MLP's hidden layer before and after
+  the activation, dropout masks. Autodiff keeps more (the softmax's intermediate values
+  and masks), so this is a lower bound.
 
 Outside the blocks: the final norm, the head's input and the cross-entropy's softmax over
 this device's vocabulary block (the least the backward pass reads).
@@ -159,11 +160,15 @@ def gpt_activation_theory(
         else:
             kept_attention = per_block("attention probabilities", b * heads * s_c * seq_len * a_e)
         attention_dropout = _active(attention.dropout.p) and not context
+        gathered = 0
+        if model.attention_impl == "all_gather":  # the whole sequence's keys and values
+            gathered = b * seq_len * (qk + vo) * e
         blocks = (
             per_block("2 layer norms: normalised input and 1/deviation", 2 * t_r * (dim * e + f32)),
             per_block("attention and MLP inputs (normalised, gathered)", 2 * t * dim * e),
             per_block("q, k, v", t * (2 * qk + vo) * e),
             kept_attention,
+            per_block("keys and values gathered over the context axis", gathered),
             per_block("attention output (output projection input)", t * vo * e),
             per_block("MLP hidden layer, before and after the activation", 2 * t * hidden * e),
             per_block("residual dropout masks", 2 * t_r * dim if residual_dropout else 0),

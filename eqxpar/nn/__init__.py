@@ -23,6 +23,7 @@ from ._convert import from_dense, partition_specs, to_dense
 from ._embedding import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from ._linear import ColumnParallelLinear, RowParallelLinear
 from ._mlp import ParallelMLP
+from ._norm import gelu, layer_norm
 from ._parallelize import auto_plan, parallelize
 from ._plan import Plan, PlanRow
 from ._ring_attention import (
@@ -36,6 +37,8 @@ from ._ring_attention import (
 from ._stacked import StackedLayers
 
 __all__ = [
+    "layer_norm",
+    "gelu",
     "TensorParallelLayer",
     "ColumnParallelLinear",
     "RowParallelLinear",

@@ -19,6 +19,8 @@ import jax
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
+from .._shard_map import varying_axes
+
 __all__ = ["TensorParallelLayer"]
 
 
@@ -106,14 +108,6 @@ class TensorParallelLayer(eqx.Module):
         )
 
 
-def _varying_axes(x) -> frozenset:
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    if vma is None:  # JAX 0.10 keeps it under `mat.varying`
-        vma = aval.mat.varying
-    return frozenset(vma)
-
-
 def to_varying(x: Array, axis_name: str) -> Array:
     """Mark a replicated `x` as varying over `axis_name`: the identity in the forward pass.
 
@@ -123,7 +117,7 @@ def to_varying(x: Array, axis_name: str) -> Array:
     already vary over `axis_name` pass through unchanged, so several layers reading the
     same input share one backward all-reduce.
     """
-    if axis_name in _varying_axes(x):
+    if axis_name in varying_axes(x):
         return x
     return jax.lax.pcast(x, axis_name, to="varying")
 

@@ -99,8 +99,7 @@ def gpt_stages() -> Stages:
 
     The `Stages`.
     """
-    from ..models._block import layer_norm
-    from ..nn import vocab_parallel_cross_entropy
+    from ..nn import layer_norm, vocab_parallel_cross_entropy
 
     def first(model, tokens, key):
         inputs = tokens[..., :-1]
