@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
-from .._specs import AxisNames
+from .._specs import AxisNames, check_axes
 from ..inspect import CommTheory, sequence_parallel_theory
 from ..inspect._format import axes_key
-from ..inspect._theory import axis_size, term
+from ..inspect._theory import term
 from ._gpt import GPT
 
 
@@ -88,15 +88,15 @@ def gpt_tensor_parallel_theory(
     who = "gpt_tensor_parallel_theory"
     if not isinstance(model, GPT):
         raise ValueError(f"{who}: model must be an eqxpar.models.GPT, got {type(model).__name__}.")
-    axis_size(mesh, model.axis_name, who, "model")
-    replicas = 1 if batch_axis is None else axis_size(mesh, batch_axis, who, "data")
+    check_axes(mesh, model.axis_name, who=who, arg="the GPT's axis_name", role="to split the layers over")
+    replicas = 1 if batch_axis is None else check_axes(mesh, batch_axis, who=who, arg="batch_axis", role="to split the batch over")
     if not (isinstance(batch_size, int) and batch_size > 0 and batch_size % replicas == 0):
         raise ValueError(
             f"{who}: batch_size must be a positive multiple of the {replicas} data shards, got {batch_size!r}."
         )
     if not (isinstance(seq_len, int) and 0 < seq_len <= model.context_length):
         raise ValueError(f"{who}: seq_len must be in 1..{model.context_length} (the GPT's context), got {seq_len!r}.")
-    contexts = 1 if context_axis is None else axis_size(mesh, context_axis, who, "context")
+    contexts = 1 if context_axis is None else check_axes(mesh, context_axis, who=who, arg="context_axis", role="to split the sequence over")
     if seq_len % contexts:
         raise ValueError(f"{who}: seq_len={seq_len} does not split over the {contexts} context shards.")
     axes = axes_key(model.axis_name, mesh, who)
