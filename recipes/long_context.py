@@ -136,9 +136,9 @@ def main(argv=None) -> dict:
     comm = CommReport.of(lowered, mesh=mesh)
     # The theory, axis by axis: the gradient all-reduce over data and context, the
     # tensor-parallel (or sequence-parallel) layers over model, the K/V traffic over context.
-    # Remat runs some forward collectives again in the backward pass: under "block" all of
-    # a block's; under "save_matmuls" those whose results are not matmul outputs (the model
-    # axis's sums and gathers, the all-gather of K/V; the ring keeps its K/V blocks).
+    # Remat runs forward collectives again in the backward pass: under "block" all of a
+    # block's; under "save_matmuls" those whose results are not the linear layers' matmul
+    # outputs (the model axis's sums and gathers, and attention's K/V traffic).
     theory = (
         data_parallel_theory(model, mesh, eqxpar.nn.partition_specs(model, mesh), batch_axis=("data", "context"))
         + gpt_tensor_parallel_theory(
@@ -147,7 +147,7 @@ def main(argv=None) -> dict:
         + context_parallel_theory(
             mesh, batch=cfg.batch_size, seq_len=cfg.seq_len, num_heads=cfg.heads, head_dim=cfg.dim // cfg.heads,
             num_layers=cfg.layers, mode=cfg.attention, model_axis="model",
-            remat=cfg.remat == "block" or (cfg.remat == "save_matmuls" and cfg.attention == "all_gather"),
+            remat=cfg.remat != "none",
         )
     )
     comparison = comm.versus(theory)

@@ -7,8 +7,8 @@ what is kept ("block", "save_matmuls"), over drawn data x context x model meshes
 attention implementation, with and without sequence parallelism, dropout and scanned
 layers; under remat "none" the theory is the least the backward pass reads, a lower bound.
 A residual stream that sequence parallelism failed to split, a context split that kept
-whole sequences, or a cond whose branches stopped sharing slots would each change the
-measured bytes and fail the equality.
+whole sequences, or a policy that kept attention's scores would each change the measured
+bytes and fail the equality.
 """
 
 import dataclasses
@@ -101,7 +101,7 @@ def cases(draw, remat):
 @examples(6)
 @given(case=cases(st.sampled_from(("block", "save_matmuls"))))
 @example(case=Case((2, 2, 2), "ring", "save_matmuls", True, False, 0.0))
-@example(case=Case((1, 8, 1), "ring", "save_matmuls", False, True, 0.1))  # head size = positions per device
+@example(case=Case((1, 8, 1), "ring", "save_matmuls", False, True, 0.1))
 @example(case=Case((2, 1, 4), "dot_product", "block", True, False, 0.1))
 def test_one_more_block_keeps_what_the_theory_says(case):
     one, two = case.saved(1), case.saved(2)

@@ -65,7 +65,7 @@ def test_the_recipe_reports_activation_memory_against_theory():
 
 @pytest.mark.parametrize("attention", ["ring", "all_gather"])
 def test_remat_save_matmuls_communication_equals_the_theory(attention):
-    """Under --remat save_matmuls the backward pass runs the model axis's all-reduces (and
-    all-gather attention's K/V gather) again; the theory the recipe builds counts them."""
+    """Under --remat save_matmuls the backward pass runs the model axis's all-reduces and
+    attention's K/V traffic again; the theory the recipe builds counts them."""
     metrics = load_recipe("long_context").main([*FLAGS, "--remat", "save_matmuls", "--attention", attention])
     assert metrics["comm_bytes_measured"] == metrics["comm_bytes_theory"]

@@ -73,8 +73,11 @@ def remat_wrapper(remat: Remat) -> Callable[[Callable], Callable] | None:
     - `"none"`: keep every activation (fastest, most memory);
     - `"block"`: keep only each block's input and recompute the rest
       (`jax.checkpoint_policies.nothing_saveable`; the block's forward collectives run again);
-    - `"save_matmuls"`: keep the matmul outputs, recompute the cheap elementwise work
-      (`jax.checkpoint_policies.dots_saveable`);
+    - `"save_matmuls"`: keep the linear layers' matmul outputs (matmuls without batch
+      dimensions: q, k, v, the output projection, the MLP's layers), recompute the
+      elementwise work and attention, whose scores grow with the square of the sequence
+      (Megatron's selective recomputation;
+      `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`);
     - `"offload"`: keep the same matmul outputs (those of the linear layers: matmuls
       without batch dimensions), but in host memory: moved to `"pinned_host"` in the
       forward pass and back in the backward pass
@@ -105,7 +108,7 @@ def remat_wrapper(remat: Remat) -> Callable[[Callable], Callable] | None:
     elif remat in ("block", "save_matmuls"):
         policy = {
             "block": jax.checkpoint_policies.nothing_saveable,
-            "save_matmuls": jax.checkpoint_policies.dots_saveable,
+            "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         }[remat]
     else:
         raise ValueError(f"remat must be one of {', '.join(map(repr, REMAT_CHOICES))}, got {remat!r}.")

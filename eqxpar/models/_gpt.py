@@ -120,7 +120,8 @@ class GPT(TensorParallelLayer):
           it with `context_axis="context"` in the step builder.
         - `scan_layers`: store the blocks stacked and run them with `jax.lax.scan`.
         - `remat`: what the backward pass recomputes: `"none"`, `"block"` (everything but
-          each block's input) or `"save_matmuls"` (all but the matmul outputs).
+          each block's input) or `"save_matmuls"` (all but the linear layers' matmul
+          outputs: attention is recomputed).
         - `sequence_parallel`: split the residual stream along the sequence over the model
           axis (see above); composes with context parallelism.
         - `axis_name`: the model axis every tensor-parallel layer is split over.

@@ -7,11 +7,11 @@ context shards (`S_c = S / C` positions per device), `N` devices on the model ax
 with sequence parallelism, `T` without), width `d`, `H` heads of `d_h`, MLP width `h`:
 
 - `remat="block"`: each block keeps its input, `T_r d` values: the rest is recomputed.
-- `remat="save_matmuls"`: each block keeps its input and the matmul outputs that its
-  backward pass reads or needs to recompute the rest: q, k, v (`3 T H d_h / N`), the
-  attention scores (`b H/N S_c S`) and their product with v (the ring's causal blocks: see
-  the code), the output projection's partial sums (`T d`) and the MLP's hidden layer
-  (`T h / N`). Attention probabilities, layer norms and the activation are recomputed.
+- `remat="save_matmuls"`: each block keeps its input and the linear layers' matmul
+  outputs that its backward pass reads or needs to recompute the rest: q, k, v
+  (`3 T H d_h / N`), the output projection's partial sums (`T d`) and the MLP's hidden
+  layer (`T h / N`). Attention (its `S_c x S` scores per head), layer norms and the
+  activation are recomputed.
 - `remat="none"`: the least the backward pass reads: per layer norm its normalised input
   and inverse deviation, each linear layer's input, q, k, v, the attention probabilities
   (ring attention: its output and log-sum-exp; all-gather attention: also the gathered
@@ -25,8 +25,6 @@ this device's vocabulary block (the least the backward pass reads).
 
 from __future__ import annotations
 
-import collections
-import math
 from typing import Any
 
 import jax
@@ -139,18 +137,10 @@ def gpt_activation_theory(
     if model.remat == "block":
         blocks = (block_input, block_key)
     elif model.remat == "save_matmuls":
-        if model.attention_impl == "ring":
-            attention_kept = (per_block("ring attention: matmul outputs of its C steps", _ring_products(b, heads, attention.vo_size, s_c, c) * a_e),)
-        else:
-            attention_kept = (
-                per_block("attention scores q k^T", b * heads * s_c * seq_len * a_e),
-                per_block("attention probabilities x v", t * vo * a_e),
-            )
         blocks = (
             block_input,
             block_key,
             per_block("q, k, v (column-parallel outputs)", t * (2 * qk + vo) * e),
-            *attention_kept,
             per_block("output projection (partial sums, before the model-axis sum)", t * dim * e),
             per_block("MLP hidden layer (column-parallel output)", t * hidden * e),
         )
@@ -186,19 +176,3 @@ def gpt_activation_theory(
 
 def _active(p: Any) -> bool:
     return not (isinstance(p, (int, float)) and p == 0)
-
-
-def _ring_products(b: int, heads: int, head_dim: int, local: int, c: int) -> int:
-    """Values of the matmul outputs ring attention's forward pass computes on one device
-    (what `save_matmuls` keeps of it): on its own block the scores `(local, local)` and
-    the product with v `(head_dim, local)` per example and head; then on each of the
-    `C - 1` other blocks a `jax.lax.cond` between two causal halves (all queries on the
-    earlier half of the keys, or the later half of the queries on all keys). Autodiff
-    keeps one slot per array shape for the two branches of a cond, as many as the branch
-    that needs more, so outputs of the same shape share one."""
-    half = local // 2
-    early = collections.Counter([(local, half), (head_dim, local)])  # scores, product
-    late = collections.Counter([(half, local), (head_dim, half)])
-    slots = early | late  # per shape, the larger count
-    per_cond = sum(math.prod(shape) * n for shape, n in slots.items())
-    return b * heads * (local * local + head_dim * local + (c - 1) * per_cond)
