@@ -190,3 +190,30 @@ def test_bad_arguments_are_value_errors(change, match):
     model = change.pop("model", gpt)
     with pytest.raises(ValueError, match=match):
         gpt_activation_theory(model, mesh, change.pop("batch_size", 4), change.pop("seq_len", SEQ), **kwargs)
+
+
+def test_fsdp_without_remat_keeps_the_gathered_weights_the_backward_pass_reads():
+    """An MLP under FSDP: the second layer's input gradient reads its whole (gathered)
+    weight, which the step keeps without remat; with remat the unit gathers it again."""
+    import equinox as eqx
+
+    mesh = eqxpar.make_mesh(fsdp=8)
+    mlp = eqx.nn.MLP(64, 32, 128, 1, key=jax.random.key(0))
+
+    def mse(model, batch, key=None):
+        x, y = batch
+        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+    specs = eqxpar.train.fsdp_specs(mlp, mesh, batch_axis="fsdp")
+    batch = eqxpar.shard((jnp.ones((16, 64)), jnp.ones((16, 32))), mesh, P("fsdp"))
+    saved = {}
+    for remat in (False, True):
+        step = eqxpar.train.fsdp_step(
+            mse, optax.sgd(0.1), mesh, param_specs=specs, batch_axis="fsdp", remat=remat,
+            units=(lambda m: m.layers) if remat else None,
+        )
+        saved[remat] = step.saved_activation_bytes(*step.init(mlp), batch)
+    second_weight = 128 * 32 * 4
+    assert saved[False] - saved[True] >= second_weight
+    # With remat each unit keeps only its inputs (this device's 2 rows), less than one weight.
+    assert saved[True] < second_weight

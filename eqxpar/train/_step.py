@@ -208,7 +208,8 @@ class TrainStep:
         """The bytes one device keeps from the forward pass for the backward pass of one
         micro-batch: the residuals of JAX's autodiff of the per-device loss (activations
         such as matmul inputs and softmax outputs; under remat only what the policy saves;
-        under FSDP without remat also the gathered weights), counted once each, without
+        under FSDP without remat also the gathered weights the backward pass reads: e.g.
+        an MLP's second layer's, for its input gradient), counted once each, without
         the parameters, batch and key the step holds anyway. Only traces the step: nothing
         compiles or runs, and nothing is donated.
 
