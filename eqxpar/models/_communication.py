@@ -12,11 +12,11 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
-from .._specs import AxisNames, check_axes
+from .._specs import AxisNames
 from ..inspect import CommTheory, sequence_parallel_theory
 from ..inspect._format import axes_key
 from ..inspect._theory import term
-from ._gpt import GPT
+from ._step_sizes import gpt_step_sizes
 
 
 def gpt_tensor_parallel_theory(
@@ -86,23 +86,10 @@ def gpt_tensor_parallel_theory(
       `seq_len` do not fit.
     """
     who = "gpt_tensor_parallel_theory"
-    if not isinstance(model, GPT):
-        raise ValueError(f"{who}: model must be an eqxpar.models.GPT, got {type(model).__name__}.")
-    check_axes(mesh, model.axis_name, who=who, arg="the GPT's axis_name", role="to split the layers over")
-    replicas = 1 if batch_axis is None else check_axes(mesh, batch_axis, who=who, arg="batch_axis", role="to split the batch over")
-    if not (isinstance(batch_size, int) and batch_size > 0 and batch_size % replicas == 0):
-        raise ValueError(
-            f"{who}: batch_size must be a positive multiple of the {replicas} data shards, got {batch_size!r}."
-        )
-    if not (isinstance(seq_len, int) and 0 < seq_len <= model.context_length):
-        raise ValueError(f"{who}: seq_len must be in 1..{model.context_length} (the GPT's context), got {seq_len!r}.")
-    contexts = 1 if context_axis is None else check_axes(mesh, context_axis, who=who, arg="context_axis", role="to split the sequence over")
-    if seq_len % contexts:
-        raise ValueError(f"{who}: seq_len={seq_len} does not split over the {contexts} context shards.")
+    sizes = gpt_step_sizes(who, model, mesh, batch_size, seq_len, batch_axis=batch_axis, context_axis=context_axis)
     axes = axes_key(model.axis_name, mesh, who)
     itemsize = np.dtype(model.position_embedding.weight.dtype).itemsize
-    local_seq = seq_len // contexts
-    tokens = batch_size // replicas * local_seq
+    tokens = sizes.tokens
     dim = model.position_embedding.weight.shape[1]
     stream = tokens * dim * itemsize
     blocks = len(model.blocks)

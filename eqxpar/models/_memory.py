@@ -32,9 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from .._specs import AxisNames, check_axes
+from .._specs import AxisNames
 from ..inspect import ActivationTerm, ActivationTheory
-from ._gpt import GPT
+from ._step_sizes import gpt_step_sizes
 
 _CONTEXT_IMPLS = ("ring", "all_gather")
 
@@ -83,8 +83,7 @@ def gpt_activation_theory(
       arrays live in host memory, which this does not model).
     """
     who = "gpt_activation_theory"
-    if not isinstance(model, GPT):
-        raise ValueError(f"{who}: model must be an eqxpar.models.GPT, got {type(model).__name__}.")
+    sizes = gpt_step_sizes(who, model, mesh, batch_size, seq_len, batch_axis=batch_axis, context_axis=context_axis)
     if model.remat not in ("none", "block", "save_matmuls"):
         raise ValueError(
             f"{who}: remat={model.remat!r} keeps its saved arrays in host memory, which this "
@@ -97,25 +96,15 @@ def gpt_activation_theory(
             + ("splits the sequence over a context axis: pass context_axis." if context else
                "does not split the sequence: pass context_axis=None (or use ring/all_gather attention).")
         )
-    n = check_axes(mesh, model.axis_name, who=who, arg="the GPT's axis_name", role="to split the layers over")
-    replicas = 1 if batch_axis is None else check_axes(mesh, batch_axis, who=who, arg="batch_axis", role="to split the batch over")
-    c = 1 if context_axis is None else check_axes(mesh, context_axis, who=who, arg="context_axis", role="to split the sequence over")
-    if not (isinstance(batch_size, int) and batch_size > 0 and batch_size % replicas == 0):
-        raise ValueError(f"{who}: batch_size must be a positive multiple of the {replicas} data shards, got {batch_size!r}.")
-    if not (isinstance(seq_len, int) and 0 < seq_len <= model.context_length and seq_len % c == 0):
-        raise ValueError(
-            f"{who}: seq_len must be in 1..{model.context_length} (the GPT's context) and split over the "
-            f"{c} context shards, got {seq_len!r}."
-        )
-    if model.sequence_parallel and (seq_len // c) % n:
-        raise ValueError(f"{who}: sequence_parallel splits {seq_len // c} positions over model={n}, which does not divide them.")
+    n, b, s_c = sizes.model_size, sizes.local_batch, sizes.local_seq
+    if model.sequence_parallel and s_c % n:
+        raise ValueError(f"{who}: sequence_parallel splits {s_c} positions over model={n}, which does not divide them.")
 
     block = model.blocks.layers if model.scan_layers else model.blocks[0]
     attention = block.attention
     e = np.dtype(dtype or model.position_embedding.weight.dtype).itemsize
     f32 = np.dtype(jnp.float32).itemsize
-    b, s_c = batch_size // replicas, seq_len // c
-    t = b * s_c  # tokens in the tensor-parallel regions
+    t = sizes.tokens  # tokens in the tensor-parallel regions
     t_r = t // n if model.sequence_parallel else t  # tokens of the residual stream
     dim = model.position_embedding.weight.shape[-1]
     heads = attention.num_heads // n
