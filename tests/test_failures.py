@@ -117,11 +117,12 @@ def last_lines(text, n):
 
 
 def last_eqxpar_line(text):
-    """The last line a process printed through eqxpar. JAX's C++ logging (glog lines and
-    their continuations, from other threads) may follow it in any number: seen once, four
+    """The last line a process printed through eqxpar, from its `eqxpar:` on. JAX's C++
+    logging, from other threads, may follow it in any number of lines (seen once: four
     lines of the coordination service agent's 'Polled an error' after the failing rank's
-    own last line."""
-    lines = [line for line in text.splitlines() if line.startswith("eqxpar")]
+    own last line) and may even precede it on the same line (Gloo's unterminated
+    '[Gloo] Rank 1 is connected to 1 peer ranks. ' was seen in front of it)."""
+    lines = [line[line.index("eqxpar:"):] for line in text.splitlines() if "eqxpar:" in line]
     return lines[-1] if lines else ""
 
 
