@@ -79,6 +79,32 @@ class Job:
         assert not hung, f"the job still runs after {timeout} s: a hang\n{self.output()}"
         return [p.returncode for p in self.procs], ended
 
+    def wait_until_blocked(self, process, quiet_s=1.5, timeout=LIMIT_S):
+        """Wait until `process`'s main thread has slept, using no CPU, for `quiet_s` seconds.
+
+        Read from /proc/PID/task/PID/stat: the state letter (field 3) and the thread's user and
+        system CPU ticks (fields 14 and 15). A thread that compiles, dispatches or waits for a
+        moment on the GIL either runs or changes its ticks within a few samples; one blocked
+        in a collective that can never complete does neither."""
+        pid = self.procs[process].pid
+        deadline = time.monotonic() + timeout
+        quiet_since, last_ticks = None, None
+        while time.monotonic() < deadline:
+            with open(f"/proc/{pid}/task/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the "(command)" field
+            state, ticks = fields[0], int(fields[11]) + int(fields[12])
+            now = time.monotonic()
+            if state in "SD" and ticks == last_ticks:
+                quiet_since = quiet_since or now
+                if now - quiet_since >= quiet_s:
+                    return
+            else:
+                quiet_since = None
+            last_ticks = ticks
+            self._drain(0.1)
+        self.kill()
+        raise AssertionError(f"process {process}'s main thread never blocked within {timeout} s:\n{self.output()}")
+
     def kill(self):
         for p in self.procs:
             if p.poll() is None:
@@ -211,7 +237,7 @@ def test_a_killed_rank_ends_a_job_started_by_hand(killed):
     """SIGKILL runs no Python: the survivor learns of it from its collective, which fails."""
     job = by_hand_job("loop", failing=-1, kind="plain")
     job.wait_for("ready: process", count=2)
-    time.sleep(0.5)  # well inside the loop of collectives
+    # Any moment after `ready` will do: the survivor's next collective fails either way.
     job.procs[killed].send_signal(signal.SIGKILL)
     killed_at = time.monotonic() - job.start
     codes, ended = job.wait()
@@ -234,7 +260,10 @@ def test_ctrl_c_twice_ends_a_job_blocked_in_a_collective():
     """
     job = by_hand_job("stall", failing=1, kind="plain")
     job.wait_for("ready: process", count=2)
-    time.sleep(1.0)  # rank 0 is now inside the collective
+    # A SIGINT that lands while rank 0 still runs Python (compiling or dispatching the next
+    # collective) is an ordinary KeyboardInterrupt, not this test's case: wait until its main
+    # thread sleeps in the collective, read from the kernel, not assumed after a fixed sleep.
+    job.wait_until_blocked(0)
     job.procs[0].send_signal(signal.SIGINT)
     job.wait_for("eqxpar: process 0 of 2 received SIGINT but its main thread has not stopped", timeout=30)
     job.procs[0].send_signal(signal.SIGINT)
