@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The most complete recipe so far: the project's main job.
 DEMO ?= hybrid_gpt
 
-.PHONY: demo test test-thorough docs figures docs-serve bench clean
+.PHONY: demo test test-thorough lint docs figures docs-serve bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,13 @@ test: $(STAMP)
 
 test-thorough: $(STAMP)
 	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q $(PYTEST_WORKERS)
+
+# Lint: ruff (rules, import order and formatting; settings in pyproject.toml) over every Python
+# file, then pyright in basic mode over the library (eqxpar/). Both pinned in the `lint` extra.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/pyright
 
 # The docs' pictures are drawn by docs/figures/make_figures.py (seconds, headless, offline):
 # meshes, splits and collectives from real eqxpar/JAX objects on simulated CPU devices, the
