@@ -40,7 +40,7 @@ import jax
 from ._compat import backends_started, distributed_client
 from ._failfast import EXIT_PEER_FAILED, install_fail_fast
 from ._mesh import simulate_cpu_devices
-from ._runtime import connect, split_address, wait_for_coordinator
+from ._runtime import bind_address, check_port_free, connect, split_address, wait_for_coordinator
 
 __all__ = [
     "initialize",
@@ -137,6 +137,7 @@ def initialize(
     heartbeat_timeout_s: float = 30.0,
     shutdown_timeout_s: float = 120.0,
     fail_fast: bool = True,
+    coordinator_bind_address: str | None = None,
 ) -> ProcessInfo:
     """Join this process to a multi-process JAX job, or do nothing for a single process.
 
@@ -178,6 +179,12 @@ def initialize(
       every other process then ends that process with status
       `eqxpar.distributed.EXIT_PEER_FAILED` (75), printing which process failed and why.
       The job ends in seconds instead of hanging. `False` keeps Python's and JAX's behaviour.
+    - `coordinator_bind_address`: `host:port` where process 0's coordination service
+      listens. Default: where `coordinator_address` points when that is an IP address
+      (`127.0.0.1` for `eqxpar.launch`: loopback only), every interface (`[::]:PORT`, JAX's
+      default) when it is a host name; `JAX_COORDINATOR_BIND_ADDRESS` also sets it. The
+      service has no authentication: see "What the coordinator exposes" in the multi-host
+      guide.
 
     **Returns:**
 
@@ -188,7 +195,8 @@ def initialize(
     - `ValueError` before anything starts: a process id out of range, a process count below
       1, an argument that contradicts the launcher's environment (e.g. a process count that
       does not match), a malformed address, a multi-process run requested after JAX's
-      backend has already started, or processes that ended up with different device counts.
+      backend has already started, processes that ended up with different device counts, or
+      (process 0) a coordinator port that is already in use on this machine.
     - `TimeoutError` if the coordinator cannot be reached, or not every process connects,
       within `timeout_s`.
     """
@@ -276,9 +284,14 @@ def initialize(
     # Collectives between processes on the CPU backend need a cross-process implementation;
     # accelerator backends bring their own (NCCL, ICI), so this only matters on CPU.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    bind = None
+    if address is not None:
+        bind = bind_address(address, coordinator_bind_address)
+        if pid == 0:  # process 0 hosts the coordination service: JAX crashes on a taken port
+            check_port_free(bind, launched=source == "eqxpar.launch")
     if address is not None and pid not in (None, 0):
         wait_for_coordinator(address, timeout_s, pid)
-    connect(address, count, pid, method, timeout_s, heartbeat_timeout_s, shutdown_timeout_s)
+    connect(address, count, pid, method, timeout_s, heartbeat_timeout_s, shutdown_timeout_s, bind)
     if fail_fast:
         install_fail_fast(distributed_client(), jax.process_index(), jax.process_count(), address,
                           finish_timeout_s=shutdown_timeout_s)

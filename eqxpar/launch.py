@@ -6,7 +6,8 @@ python -m eqxpar.launch --nproc 2 --devices-per-proc 4 recipes/multihost.py --st
 
 starts `recipes/multihost.py --steps 100` twice, as processes 0 and 1 of one JAX job, each
 with 4 simulated CPU devices (8 global devices). The processes find each other through a
-coordinator on 127.0.0.1 at a free port; [`eqxpar.distributed.initialize`][] in the script
+coordinator on 127.0.0.1 (loopback only) at a free port, or at `--port`, which must be free;
+[`eqxpar.distributed.initialize`][] in the script
 reads the settings from the environment variables the launcher sets:
 
 | variable | value |
@@ -42,6 +43,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
+from ._runtime import check_port_free
 from .distributed import (
     ENV_COORDINATOR_ADDRESS,
     ENV_DEVICES_PER_PROCESS,
@@ -208,7 +210,8 @@ def launch(
       `EQXPAR_DEVICES_PER_PROCESS`, and `JAX_PLATFORMS=cpu` unless it is set already, so
       that on a machine with accelerators the processes do not all grab them); `None`
       leaves both to the script.
-    - `port`: the coordinator's port; default: a free one.
+    - `port`: the coordinator's port; default: a free one. The coordinator listens on
+      127.0.0.1 only (nothing outside this machine can reach it).
     - `grace_s`: after a failure, how long the other processes get to exit after SIGTERM
       before they are killed.
     - `timeout_s`: stop everything and return 124 if the job runs longer than this;
@@ -222,6 +225,11 @@ def launch(
     first (128 + the signal number if it was killed), or 124 on timeout. A rank that exited
     with `EXIT_PEER_FAILED` (75) is only named when no other rank failed. The last lines on
     `sys.stderr` name the failed rank and repeat its last lines of output (its error).
+
+    **Raises:**
+
+    - `ValueError` before anything starts: bad counts, no command, or a `port` that is
+      already in use on 127.0.0.1.
     """
     if nproc < 1:
         raise ValueError(f"eqxpar.launch: --nproc must be at least 1, got {nproc}.")
@@ -229,6 +237,11 @@ def launch(
         raise ValueError(f"eqxpar.launch: --devices-per-proc must be at least 1, got {devices_per_proc}.")
     if not command:
         raise ValueError("eqxpar.launch: give the script to run, e.g. recipes/multihost.py.")
+    if port is not None:
+        if not 0 < port < 65536:
+            raise ValueError(f"eqxpar.launch: --port must be in 1..65535, got {port}.")
+        # Process 0 would crash (SIGSEGV inside JAX) on a port that is taken: say so now.
+        check_port_free(f"127.0.0.1:{port}", launched=True, who="eqxpar.launch")
     out = sys.stdout if out is None else out
     address = f"127.0.0.1:{port or free_port()}"
     lock = threading.Lock()
