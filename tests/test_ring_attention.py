@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
@@ -50,6 +50,10 @@ def assert_close(a, b, rtol=2e-5, atol=2e-5):
 
 
 @examples(2)  # more under HYPOTHESIS_PROFILE=thorough
+# Pinned: causal ring attention in both layouts, whose masked ring steps take their own
+# branch per layout (the default profile's two drawn examples need not reach them).
+@example(context=2, layout="contiguous", causal=True, mode="ring", seed=0)
+@example(context=2, layout="zigzag", causal=True, mode="ring", seed=1)
 @given(
     context=st.sampled_from([2, 4, 8]),
     layout=st.sampled_from(["zigzag", "contiguous"]),
