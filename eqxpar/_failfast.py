@@ -25,13 +25,19 @@ run, four things (see `install_fail_fast`):
 3. **Ctrl-C that works.** A SIGINT becomes a `KeyboardInterrupt` only when the main thread
    runs Python, never while it is blocked in a collective; a thread fed by Python's signal
    wakeup fd notices it anyway, says so after 3 s, and a second Ctrl-C ends the job.
-4. **A watched finish.** A process that reaches the end of its script (or calls `sys.exit`)
+4. **A watched finish.** A process that reaches the end of its script (or calls `sys.exit(0)`)
    does not go straight to JAX's shutdown barrier, where only JAX's heartbeat would notice a
    failure: an exit handler (run before JAX's) marks it finished and waits, the watchdog
    still running, until every process has finished. If some process has not finished after
    `finish_timeout_s`, it is almost certainly stuck in a collective this one skipped: the
    waiting process records that as the job's failure and exits with status 1. Only then
    does the watchdog stop, before JAX's shutdown.
+5. **A failing exit status.** `sys.exit(status)` with a status other than 0 (and other
+   than `EXIT_PREEMPTED`, the coordinated exit after a preemption checkpoint) is a failure
+   like an exception: the exit handler records it (`process i exited with status N`) and
+   ends the process at once with that status, so the others stop within seconds and the
+   launcher reports that status. (`sys.exit` is wrapped to see the status; a bare
+   `raise SystemExit(N)` is not seen, and waits as in 4.)
 
 A process that dies without running Python (SIGKILL, the out-of-memory killer, a lost host)
 records nothing; the others then learn of it from their next collective, which fails when
@@ -54,13 +60,17 @@ from typing import Any
 
 from ._compat import distributed_client
 
-__all__ = ["install_fail_fast", "EXIT_PEER_FAILED", "FAILURE_KEY"]
+__all__ = ["install_fail_fast", "EXIT_PEER_FAILED", "EXIT_PREEMPTED", "FAILURE_KEY"]
 
 EXIT_PEER_FAILED = 75
 """Exit status of a process that ended because *another* process failed (not itself the cause)."""
 
 FAILURE_KEY = "eqxpar/failure"
 """The coordination-service key where the first failing process describes its failure."""
+
+EXIT_PREEMPTED = 143
+"""Exit status of a process that saved a checkpoint on a preemption notice (SIGTERM) and stopped;
+128 + SIGTERM, as if the signal had ended it. Every process exits with it at the same step."""
 
 _SEEN_DIR = "eqxpar/failure_seen/"  # each survivor confirms it read the failure (for process 0)
 _FINISHED_DIR = "eqxpar/finished/"  # each process that reached the end of its script
@@ -295,9 +305,37 @@ class _FailFast:
                 self._wait_until_seen(3.0)
             os._exit(1)
 
+    def exit(self, status: Any = None) -> None:
+        """`sys.exit`, remembering the status for `at_exit` (no other hook sees it)."""
+        if threading.current_thread() is threading.main_thread():  # a thread's only ends it
+            self.exit_status = status
+        self.previous_exit(status)
+
+    def _exit_failed(self, status: Any, code: int) -> None:
+        """A `sys.exit` with a failing status: record it and end now, as for an exception."""
+        with self.lock:
+            reason = f"process {self.pid} exited with status {code}"
+            if not isinstance(status, int):
+                reason += f" ({str(status).strip()[:200]})"
+            self._say(
+                f"{self.tag} failed: it called sys.exit({status!r}). Ending the whole job with "
+                f"status {code} instead of waiting for the other processes; they stop too."
+            )
+            ok, earlier = _bounded(lambda: self._record(reason), 5.0)
+            if ok and earlier:
+                self._say(f"{self.tag}: after an earlier failure: {earlier}.")
+            if self.pid == 0:
+                self._wait_until_seen(3.0)
+            _flush()
+            os._exit(code)
+
     def at_exit(self) -> None:
         # Every process waits here for the others (the watchdog still running) rather than
         # at JAX's shutdown barrier, where nothing would notice a failure but JAX's heartbeat.
+        status = getattr(self, "exit_status", None)
+        code = 0 if status is None else int(status) if isinstance(status, int) else 1
+        if code not in (0, EXIT_PREEMPTED):  # sys.exit("message") exits with status 1
+            self._exit_failed(status, code)
         try:
             self._finish_together()
         finally:
@@ -343,6 +381,8 @@ def install_fail_fast(client: Any, process_id: int, num_processes: int, address:
     state.previous_thread_excepthook = threading.excepthook
     sys.excepthook = state.excepthook
     threading.excepthook = state.thread_excepthook
+    state.previous_exit = sys.exit
+    sys.exit = state.exit
     # atexit runs handlers last-in first-out: this one runs before JAX's own shutdown.
     atexit.register(state.at_exit)
     state.thread = threading.Thread(target=state.watch, name="eqxpar-failure-watchdog", daemon=True)
