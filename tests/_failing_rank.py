@@ -10,8 +10,10 @@ runs one cross-process collective and prints `ready`. Then, by MODE:
 - `thread`: the same exception, raised in a background thread of the failing rank, whose
   main thread goes on into the collective with the others;
 - `loop`: nobody fails here; every rank runs collectives in a loop until the test kills one;
-- `exit`: the failing rank leaves early with `sys.exit(1)`, a *normal* exit; the others
+- `exit`: the failing rank leaves early with `sys.exit(0)`, a *normal* exit; the others
   enter the collective. Only the finish timeout (`shutdown_timeout_s`, 10 s here) can tell;
+- `exit3`: the failing rank leaves with `sys.exit(3)` while the others enter the collective:
+  a failing exit status, which ends the job at once with that status;
 - `late`: every other rank reaches the end of the script; the failing rank raises 2 s later;
 - `stall`: the "failing" rank sleeps instead of joining the next collective, so the others
   block in it (for the Ctrl-C test).
@@ -45,7 +47,10 @@ if info.process_id == failing and mode == "thread":
     threading.Thread(target=out_of_data, name="data-loader").start()
 if info.process_id == failing and mode == "exit":
     print("leaving early", flush=True)
-    sys.exit(1)
+    sys.exit(0)
+if info.process_id == failing and mode == "exit3":
+    print("leaving with status 3", flush=True)
+    sys.exit(3)
 if info.process_id == failing and mode == "stall":
     time.sleep(600)
 if mode == "late":
