@@ -119,7 +119,7 @@ def main(argv=None) -> dict:
 
     start = time.perf_counter()
     metrics = None
-    bar = eqxpar.recipe.progress(range(first_step, cfg.steps), desc=f"data parallel ({cfg.mesh})")
+    bar = eqxpar.recipe.progress(eqxpar.recipe.steps_to_run(first_step, cfg.steps), desc=f"data parallel ({cfg.mesh})")
     for i in bar:
         # Global batch i: a pure function of (seed, i), so a run resumed at step i sees the
         # same batches as one that never stopped.
@@ -133,7 +133,7 @@ def main(argv=None) -> dict:
     ckpt.close()
     seconds = time.perf_counter() - start
 
-    final_loss = float(metrics["loss"]) if metrics is not None else float("nan")  # nan: no step run
+    final_loss = float(metrics["loss"]) if metrics is not None else None  # None (null): no step run
     test_accuracy = float(np.mean(np.asarray(predict(model, data.x_test)) == data.y_test))
     result = {
         "final_loss": final_loss,
@@ -152,7 +152,7 @@ def main(argv=None) -> dict:
         print(f"test accuracy: {test_accuracy:.2%} on {len(data.x_test)} held-out digits")
         print(
             f"data_parallel: mesh {cfg.mesh}, {cfg.steps} steps of {cfg.batch_size} examples "
-            f"(grad_accum {cfg.grad_accum}), final loss {final_loss:.5f}, "
+            f"(grad_accum {cfg.grad_accum}), final loss {'-' if final_loss is None else f'{final_loss:.5f}'}, "
             f"test accuracy {test_accuracy:.2%}, {seconds:.1f} s"
         )
     eqxpar.recipe.write_metrics(cfg.metrics_out, result)

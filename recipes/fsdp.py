@@ -134,7 +134,8 @@ def main(argv=None) -> dict:
 
     # --- Training loop. ---
     throughput = eqxpar.recipe.Throughput(cfg.batch_size * cfg.context)  # tokens per second
-    bar = eqxpar.recipe.progress(range(first_step, cfg.steps), desc=f"fsdp {cfg.mesh}{' remat' if cfg.remat else ''}")
+    steps = eqxpar.recipe.steps_to_run(first_step, cfg.steps)  # none left: says so
+    bar = eqxpar.recipe.progress(steps, desc=f"fsdp {cfg.mesh}{' remat' if cfg.remat else ''}")
     for i in bar:
         model, opt_state, metrics = step(model, opt_state, batch(i), jax.random.fold_in(train_key, i))
         losses.append(float(metrics["loss"]))
@@ -152,11 +153,10 @@ def main(argv=None) -> dict:
         "first_loss": losses[0],
         "final_loss": losses[-1],
         "final_loss_mean10": float(np.mean(losses[-10:])),
-        "tokens_per_second": tokens_per_second,
-        "flops_per_token": flops_per_token,
-        "flops_per_second": tokens_per_second * flops_per_token,
-        # Model FLOPs utilisation against the chips' peak; null where the peak is unknown (CPU).
-        "mfu": eqxpar.inspect.mfu(tokens_per_second, flops_per_token, mesh.size, jax.devices()[0], jnp.dtype(cfg.dtype)),
+        # tokens_per_second, flops_per_token, flops_per_second, and the model FLOPs
+        # utilisation against the chips' peak (mfu; null where the peak is unknown: CPU, and
+        # all three null where no step was timed: --steps 1, or a finished run resumed).
+        **eqxpar.recipe.speed_metrics(tokens_per_second, flops_per_token, mesh.size, cfg.dtype),
         "dtype": cfg.dtype,
         "attention": cfg.attention,
         "scan_layers": cfg.scan_layers,
@@ -172,7 +172,7 @@ def main(argv=None) -> dict:
     if eqxpar.recipe.is_main_process():
         print(
             f"{cfg.mesh}{' remat' if cfg.remat else ''}: loss {metrics['first_loss']:.3f} -> "
-            f"{metrics['final_loss_mean10']:.3f} (last 10 steps); {tokens_per_second:,.0f} tokens/s; "
+            f"{metrics['final_loss_mean10']:.3f} (last 10 steps); {eqxpar.recipe.speed_text(metrics)}; "
             f"parameters + optimizer state {stored.bytes_per_device:,} of {stored.bytes_total:,} bytes "
             f"per device ({stored.bytes_total / stored.bytes_per_device:.1f}x less than one device)"
         )

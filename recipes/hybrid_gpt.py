@@ -133,7 +133,7 @@ def main(argv=None) -> dict:
 
     # --- Training loop. ---
     throughput = eqxpar.recipe.Throughput(cfg.batch_size * cfg.context)  # tokens per second
-    bar = eqxpar.recipe.progress(range(first_step, cfg.steps), desc=f"hybrid {cfg.mesh}")
+    bar = eqxpar.recipe.progress(eqxpar.recipe.steps_to_run(first_step, cfg.steps), desc=f"hybrid {cfg.mesh}")
     for i in bar:
         model, opt_state, metrics = step(model, opt_state, batch(i), jax.random.fold_in(train_key, i))
         losses.append(float(metrics["loss"]))  # waits for the step: honest timing
@@ -186,15 +186,13 @@ def main(argv=None) -> dict:
         "resumed_from_step": first_step,
         "param_digest": eqxpar.recipe.parameter_digest(model),  # of the whole (gathered) weights
     }
-    mfu_text = "" if metrics["mfu"] is None else f", MFU {metrics['mfu']:.1%}"
     if eqxpar.recipe.is_main_process():
         if sample:
             print(f"\nsample:\n{sample}\n")
         print(
             f"{cfg.mesh}: loss {metrics['first_loss']:.3f} -> {metrics['final_loss_mean10']:.3f} "
             f"(last 10 steps), held-out {val_loss:.3f} (uniform guessing {metrics['uniform_loss']:.3f}); "
-            f"{tokens_per_second:,.0f} tokens/s, {metrics['flops_per_second'] / 1e9:,.1f} GFLOP/s"
-            f"{mfu_text}; parameters {params.bytes_per_device:,} of "
+            f"{eqxpar.recipe.speed_text(metrics)}; parameters {params.bytes_per_device:,} of "
             f"{params.bytes_total:,} bytes per device"
         )
     eqxpar.recipe.write_metrics(cfg.metrics_out, metrics)

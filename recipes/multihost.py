@@ -131,7 +131,8 @@ def main(argv=None) -> dict:
 
     start = time.perf_counter()
     metrics = None
-    bar = eqxpar.recipe.progress(range(first_step, cfg.steps), desc=f"multihost ({info.num_processes} process(es))")
+    steps = eqxpar.recipe.steps_to_run(first_step, cfg.steps)  # none left: says so
+    bar = eqxpar.recipe.progress(steps, desc=f"multihost ({info.num_processes} process(es))")
     for i in bar:
         model, opt_state, metrics = step(model, opt_state, load(i))
         if i % 20 == 0 or i == cfg.steps - 1:
@@ -142,7 +143,7 @@ def main(argv=None) -> dict:
 
     # The loss and the model are replicated on every device of every process, so every
     # process can read them; only process 0 prints and writes.
-    final_loss = float(metrics["loss"]) if metrics is not None else float("nan")  # nan: no step run
+    final_loss = float(metrics["loss"]) if metrics is not None else None  # None (null): no step run
     x_test, y_test = eqxpar.shard((data.x_test, data.y_test), mesh)
     test_accuracy = float(accuracy(model, x_test, y_test))
     result = {
@@ -160,7 +161,7 @@ def main(argv=None) -> dict:
     eqxpar.distributed.print_main(
         f"multihost: {info.num_processes} process(es) x {jax.local_device_count()} devices, mesh "
         f"{dict(mesh.shape)}, {cfg.steps} steps of {cfg.batch_size} examples, final loss "
-        f"{final_loss:.5f}, test accuracy {test_accuracy:.2%}, {seconds:.1f} s"
+        f"{'-' if final_loss is None else f'{final_loss:.5f}'}, test accuracy {test_accuracy:.2%}, {seconds:.1f} s"
     )
     eqxpar.recipe.write_metrics(cfg.metrics_out, result)
     return result

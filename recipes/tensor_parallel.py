@@ -152,7 +152,7 @@ def main(argv=None) -> dict:
 
     # --- Training loop. Batch and dropout key of each step depend on (seed, step) only. ---
     throughput = eqxpar.recipe.Throughput(cfg.batch_size * cfg.context)  # tokens per second
-    bar = eqxpar.recipe.progress(range(first_step, cfg.steps), desc=f"tensor parallel {cfg.mesh}")
+    bar = eqxpar.recipe.progress(eqxpar.recipe.steps_to_run(first_step, cfg.steps), desc=f"tensor parallel {cfg.mesh}")
     for step in bar:
         tokens = text_windows(train_ids, cfg.batch_size, cfg.context, seed=cfg.seed, step=step)
         model, opt_state, loss = train_step(model, opt_state, tokens, jax.random.fold_in(train_key, step))
@@ -204,14 +204,13 @@ def main(argv=None) -> dict:
         "remat": cfg.remat,
         "scan_layers": cfg.scan_layers,
     }
-    mfu_text = "" if metrics["mfu"] is None else f", MFU {metrics['mfu']:.1%}"
     if eqxpar.recipe.is_main_process():
         print(f"\ncollectives of one train step (per device):\n{comm}\n")
         print(f"sample:\n{metrics['sample']}\n")
         print(
             f"{cfg.mesh}: loss {metrics['first_loss']:.3f} -> {metrics['final_loss_mean10']:.3f} "
             f"(last 10 steps), held-out {val_loss:.3f} (uniform guessing: {metrics['uniform_loss']:.3f}); "
-            f"{metrics['tokens_per_second']:,.0f} tokens/s, {metrics['flops_per_second'] / 1e9:,.1f} GFLOP/s{mfu_text}; "
+            f"{eqxpar.recipe.speed_text(metrics)}; "
             f"parameters {params.bytes_per_device:,} of {params.bytes_total:,} bytes per device"
         )
     eqxpar.recipe.write_metrics(cfg.metrics_out, metrics)

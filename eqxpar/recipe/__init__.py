@@ -30,8 +30,8 @@ from ._flags import (
     parse_flags,
     require_positive,
 )
-from ._gpt_flags import GPTFlags, check_gpt_flags, speed_metrics
-from ._output import Throughput, is_main_process, parameter_digest, progress, write_metrics
+from ._gpt_flags import GPTFlags, check_gpt_flags, speed_metrics, speed_text
+from ._output import Throughput, is_main_process, parameter_digest, progress, steps_to_run, write_metrics
 
 __all__ = [
     "parse_flags",
@@ -41,12 +41,14 @@ __all__ = [
     "mesh_text",
     "require_positive",
     "progress",
+    "steps_to_run",
     "write_metrics",
     "is_main_process",
     "CheckpointFlags",
     "GPTFlags",
     "check_gpt_flags",
     "speed_metrics",
+    "speed_text",
     "parameter_digest",
     "Throughput",
 ]

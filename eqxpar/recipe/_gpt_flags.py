@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import jax
 
-__all__ = ["GPTFlags", "check_gpt_flags", "speed_metrics"]
+__all__ = ["GPTFlags", "check_gpt_flags", "speed_metrics", "speed_text"]
 
 C = TypeVar("C")
 
@@ -90,7 +90,8 @@ def speed_metrics(tokens_per_second: float, flops_per_token: float, n_devices: i
 
     **Arguments:**
 
-    - `tokens_per_second`: tokens trained per second, by all devices together.
+    - `tokens_per_second`: tokens trained per second, by all devices together; NaN
+      ([`eqxpar.recipe.Throughput`][] before a second step) when nothing was timed.
     - `flops_per_token`: model FLOPs per trained token ([`eqxpar.models.gpt_flops_per_token`][]).
     - `n_devices`: the devices that share the work (the mesh's size).
     - `dtype`: the compute dtype's name (`--dtype`), for the peak the MFU is measured against.
@@ -99,17 +100,29 @@ def speed_metrics(tokens_per_second: float, flops_per_token: float, n_devices: i
 
     `{"tokens_per_second", "flops_per_token", "flops_per_second", "mfu"}`; `mfu` is a
     fraction of the devices' peak ([`eqxpar.inspect.mfu`][]), `None` where the peak is
-    unknown (on CPU).
+    unknown (on CPU). A run that timed no step (`--steps 1`: its one step included the
+    compile; or a `--resume` of a finished run) has `None` for the rates and the MFU.
     """
     import jax.numpy as jnp
 
     from ..inspect import mfu
 
+    timed = isinstance(tokens_per_second, (int, float)) and math.isfinite(tokens_per_second)
     return {
-        "tokens_per_second": tokens_per_second,
+        "tokens_per_second": tokens_per_second if timed else None,
         "flops_per_token": flops_per_token,
-        "flops_per_second": tokens_per_second * flops_per_token,
+        "flops_per_second": tokens_per_second * flops_per_token if timed else None,
         # No rate (a one-step run: its step included the compile) and no peak: no MFU.
         "mfu": mfu(tokens_per_second, flops_per_token, n_devices, jax.devices()[0], jnp.dtype(dtype))
-        if math.isfinite(tokens_per_second) else None,
+        if timed else None,
     }
+
+
+def speed_text(speed: dict[str, Any]) -> str:
+    """[`eqxpar.recipe.speed_metrics`][]'s numbers for a recipe's last line:
+    `"1,234 tokens/s, 5.6 GFLOP/s, MFU 40.0%"` (no MFU where the peak is unknown), or a
+    note that no step was timed."""
+    if speed["tokens_per_second"] is None:
+        return "speed not measured (the first step includes the compile: it takes 2 or more steps run)"
+    text = f"{speed['tokens_per_second']:,.0f} tokens/s, {speed['flops_per_second'] / 1e9:,.1f} GFLOP/s"
+    return text if speed["mfu"] is None else f"{text}, MFU {speed['mfu']:.1%}"

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 from jaxtyping import PyTree
 
-__all__ = ["is_main_process", "progress", "Throughput", "write_metrics", "parameter_digest"]
+__all__ = ["is_main_process", "progress", "steps_to_run", "Throughput", "write_metrics", "parameter_digest"]
 
 
 def is_main_process() -> bool:
@@ -49,6 +49,32 @@ def progress(iterable: Iterable, *, total: int | None = None, desc: str = "train
         set_postfix = bar.set_postfix
         bar.set_postfix = lambda *args, refresh=False, **kw: set_postfix(*args, refresh=refresh, **kw)
     return bar
+
+
+def steps_to_run(first_step: int, steps: int) -> range:
+    """The training loop's steps, `range(first_step, steps)`, saying so when there are none.
+
+    A `--resume` of a run that already finished (its newest checkpoint at `--steps` or
+    beyond) has nothing left to train: process 0 prints that, and the recipe goes on to
+    report the restored run (its loss history, held-out loss, digest) instead of failing.
+
+    **Arguments:**
+
+    - `first_step`: where training starts: 0, or the step of the restored checkpoint.
+    - `steps`: the run's length (`--steps`).
+
+    **Returns:**
+
+    `range(first_step, steps)`, empty when `first_step >= steps`.
+    """
+    if first_step >= steps and is_main_process():
+        past = "at" if first_step == steps else "past"
+        print(
+            f"nothing left to do: the checkpoint is at step {first_step}, {past} --steps {steps}; "
+            f"reporting the finished run (pass a larger --steps to train on)",
+            flush=True,
+        )
+    return range(first_step, steps)
 
 
 class Throughput:
