@@ -22,8 +22,15 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Float, PyTree
 
 from .._shard_map import filter_shard_map
-from .._specs import AxisNames, axis_names, check_axes, full_specs, is_spec, spec_axes
-from ._checks import check_batch_divides, check_batch_norms, check_builder
+from .._specs import AxisNames, axis_names, full_specs, is_spec, spec_axes
+from ..nn import partition_specs
+from ._checks import (
+    check_batch_divides,
+    check_batch_norms,
+    check_builder,
+    check_sequence_divides,
+    context_split,
+)
 from ._fsdp import fsdp_specs
 from ._gradients import leaf_plans, per_device_gradients
 from ._placement import constrain_to_specs, optimizer_specs
@@ -52,7 +59,7 @@ def _build(
 ) -> TrainStep:
     """The one step every builder returns; `param_specs(model)` gives the prefix spec tree."""
     n_batch = check_builder(who, loss_fn, optimizer, mesh, batch_axis, grad_accum, has_state)
-    n_context, batch_spec = _context_split(who, mesh, batch_axis, context_axis)
+    n_context, batch_spec = context_split(who, mesh, batch_axis, context_axis)
     if precision is None:
         precision = Precision()
     if not isinstance(precision, Precision):
@@ -83,7 +90,7 @@ def _build(
         batch, key = batch_and_key
         check_batch_divides(batch, who, n_batch, grad_accum, batch_axis)
         if context_axis is not None:
-            _check_sequence_divides(batch, who, n_context, context_axis)
+            check_sequence_divides(batch, who, n_context, context_axis)
         if has_state:
             check_batch_norms(model, batch_axis, who)
         specs = specs_for(model)
@@ -118,33 +125,32 @@ def _build(
     )
 
 
-def _context_split(who: str, mesh: Mesh, batch_axis: AxisNames, context_axis: str | None) -> tuple[int, PartitionSpec]:
-    """The context axis size and the batch's spec: `P(batch_axis)`, or `P(batch_axis,
-    context_axis)` with the sequence (dimension 1) split over the context axis."""
-    if context_axis is None:
-        return 1, PartitionSpec(batch_axis)
-    if not isinstance(context_axis, str):
-        raise ValueError(f"{who}: context_axis must be one mesh axis name (a str) or None, got {context_axis!r}.")
-    n_context = check_axes(mesh, context_axis, who=who, arg="context_axis", role="to split the sequence over")
-    if context_axis in axis_names(batch_axis):
-        raise ValueError(
-            f"{who}: context_axis {context_axis!r} is also in batch_axis {batch_axis!r}; the batch "
-            f"(dimension 0) and the sequence (dimension 1) need different mesh axes."
-        )
-    return n_context, PartitionSpec(batch_axis, context_axis)
+def _fixed(specs: PyTree) -> Callable[[PyTree], PyTree]:
+    return lambda model: specs
 
 
-def _check_sequence_divides(batch: PyTree, who: str, n_context: int, context_axis: str) -> None:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-        if eqx.is_array(leaf) and (leaf.ndim < 2 or leaf.shape[1] % n_context):
-            raise ValueError(
-                f"{who}: batch leaf {jax.tree_util.keystr(path)} has shape {leaf.shape}; with "
-                f"context_axis={context_axis!r} every batch array is (batch, seq, ...) with seq "
-                f"divisible by the {n_context} context shards."
-            )
+def data_parallel_step(
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    param_specs: PyTree[PartitionSpec] = PartitionSpec(),
+    batch_axis: AxisNames = "data",
+    grad_accum: int = 1,
+    has_state: bool = False,
+    precision: Precision | None = None,
+    context_axis: str | None = None,
+) -> TrainStep:
+    """Data parallelism: a copy of the model on every device, the batch split over `batch_axis`.
 
+    Each device differentiates its share of the global-batch mean loss (its shard's mean
+    over the number of shards) with respect to its own copy of the parameters; one
+    `jax.lax.psum` over `batch_axis` then adds up the shares of the loss and the gradients
+    (one combined all-reduce per step), and the optimizer updates every copy alike. The
+    result equals a single-device step on the whole global batch.
 
-_COMMON_ARGS = """
+    **Arguments:**
+
     - `loss_fn`: `loss_fn(model, batch, key) -> loss`, written for one device: `batch` is
       this device's shard (or micro-batch), `loss` its mean over that shard (a float
       scalar), `key` this shard's own PRNG key (`fold_in` of the step's key with the shard
@@ -173,62 +179,6 @@ _COMMON_ARGS = """
     - `has_state`: whether the model carries `eqx.nn.State` (e.g. `eqx.nn.BatchNorm`, whose
       `axis_name` must include the batch axes, e.g. `("batch", "data")` with a
       `jax.vmap(..., axis_name="batch")` in the loss).
-"""
-
-_RETURNS = """
-    A [`eqxpar.train.TrainStep`][]: `model, opt_state = step.init(model)`, then
-    `step(model, opt_state, batch, key=None) -> (model, opt_state, metrics)` (with
-    `has_state=True`: `step(model, state, opt_state, batch, key=None) -> (model, state,
-    opt_state, metrics)`); `metrics` holds `"loss"` and `"grad_norm"`, both global. The
-    batch is split as `P(batch_axis)` ([`eqxpar.train.shard_batch`][]).
-"""
-
-_RAISES = """
-    - `ValueError` at once for a mesh without the axes, `grad_accum < 1`, a non-optax
-      optimizer or a `loss_fn` that cannot take the step's arguments; when the step is first
-      called, before anything is compiled, if `param_specs` does not fit the model, the
-      global batch size is not divisible by the batch shards times `grad_accum`, or
-      `loss_fn` does not return a float scalar (and, with `has_state`, a pair); at every
-      call, for arguments in the wrong order, a key that is not a PRNG key, or a model or
-      optimizer state whose buffers an earlier call consumed (donated).
-"""
-
-
-def _doc(fn):
-    fn.__doc__ = fn.__doc__.replace("    {common}\n", _COMMON_ARGS.strip("\n") + "\n")
-    fn.__doc__ = fn.__doc__.replace("    {returns}\n", _RETURNS.strip("\n") + "\n")
-    fn.__doc__ = fn.__doc__.replace("    {raises}\n", _RAISES.strip("\n") + "\n")
-    return fn
-
-
-def _fixed(specs: PyTree) -> Callable[[PyTree], PyTree]:
-    return lambda model: specs
-
-
-@_doc
-def data_parallel_step(
-    loss_fn: LossFn,
-    optimizer: optax.GradientTransformation,
-    mesh: Mesh,
-    *,
-    param_specs: PyTree[PartitionSpec] = PartitionSpec(),
-    batch_axis: AxisNames = "data",
-    grad_accum: int = 1,
-    has_state: bool = False,
-    precision: Precision | None = None,
-    context_axis: str | None = None,
-) -> TrainStep:
-    """Data parallelism: a copy of the model on every device, the batch split over `batch_axis`.
-
-    Each device differentiates its share of the global-batch mean loss (its shard's mean
-    over the number of shards) with respect to its own copy of the parameters; one
-    `jax.lax.psum` over `batch_axis` then adds up the shares of the loss and the gradients
-    (one combined all-reduce per step), and the optimizer updates every copy alike. The
-    result equals a single-device step on the whole global batch.
-
-    **Arguments:**
-
-    {common}
     - `param_specs`: where the arrays live over the mesh's *other* axes (a prefix tree of
       `PartitionSpec`s; default: copied everywhere). A tensor-parallel model passes its
       specs here; that is [`eqxpar.train.hybrid_step`][]. Specs must not use the batch axes.
@@ -236,11 +186,21 @@ def data_parallel_step(
 
     **Returns:**
 
-    {returns}
+    A [`eqxpar.train.TrainStep`][]: `model, opt_state = step.init(model)`, then
+    `step(model, opt_state, batch, key=None) -> (model, opt_state, metrics)` (with
+    `has_state=True`: `step(model, state, opt_state, batch, key=None) -> (model, state,
+    opt_state, metrics)`); `metrics` holds `"loss"` and `"grad_norm"`, both global. The
+    batch is split as `P(batch_axis)` ([`eqxpar.train.shard_batch`][]).
 
     **Raises:**
 
-    {raises}
+    - `ValueError` at once for a mesh without the axes, `grad_accum < 1`, a non-optax
+      optimizer or a `loss_fn` that cannot take the step's arguments; when the step is first
+      called, before anything is compiled, if `param_specs` does not fit the model, the
+      global batch size is not divisible by the batch shards times `grad_accum`, or
+      `loss_fn` does not return a float scalar (and, with `has_state`, a pair); at every
+      call, for arguments in the wrong order, a key that is not a PRNG key, or a model or
+      optimizer state whose buffers an earlier call consumed (donated).
     """
     return _build(
         "data_parallel_step", loss_fn, optimizer, mesh, param_specs=_fixed(param_specs),
@@ -249,7 +209,6 @@ def data_parallel_step(
     )
 
 
-@_doc
 def hybrid_step(
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
@@ -275,7 +234,34 @@ def hybrid_step(
 
     **Arguments:**
 
-    {common}
+    - `loss_fn`: `loss_fn(model, batch, key) -> loss`, written for one device: `batch` is
+      this device's shard (or micro-batch), `loss` its mean over that shard (a float
+      scalar), `key` this shard's own PRNG key (`fold_in` of the step's key with the shard
+      index, and with the micro-batch index under `grad_accum`), or None when the step is
+      called without a key. With `has_state=True`: `loss_fn(model, state, batch, key) ->
+      (loss, state)`.
+    - `optimizer`: any optax `GradientTransformation`, including whole-gradient ones
+      (`optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4))`, `optax.MultiSteps`,
+      masked weight decay): it runs on the global gradient.
+    - `mesh`: the device mesh; it must have the batch axes.
+    - `grad_accum`: split each device's shard into this many micro-batches (rows `k, k+A,
+      k+2A, ...` form micro-batch `k`) and add up their gradients with `jax.lax.scan`
+      before the reduction. Same result as one step on the whole batch, with the
+      activation memory of one micro-batch.
+    - `precision`: an [`eqxpar.train.Precision`][]: the dtype the loss computes in and the
+      dtype gradients cross devices in (default: the parameters' own, e.g. all float32).
+    - `context_axis`: a mesh axis to split every example's sequence over (context
+      parallelism), or None. The batch's arrays are then `(batch, seq, ...)`, split as
+      `P(batch_axis, context_axis)`; `loss_fn` gets this device's part of every sequence
+      (e.g. in `eqxpar.nn.zigzag_order` layout) and returns its mean over those tokens,
+      and the step sums the gradients over the context axis as over a batch axis (every
+      device holds the same number of tokens, so the result is the global mean). The
+      dropout key differs between batch shards but is the same on every part of one
+      sequence, so a model can draw a whole sequence's mask and keep its own positions
+      (as [`eqxpar.models.GPT`][] does).
+    - `has_state`: whether the model carries `eqx.nn.State` (e.g. `eqx.nn.BatchNorm`, whose
+      `axis_name` must include the batch axes, e.g. `("batch", "data")` with a
+      `jax.vmap(..., axis_name="batch")` in the loss).
     - `param_specs`: the model's spec tree; default
       [`eqxpar.nn.partition_specs`][]`(model, mesh)`, the specs its tensor-parallel layers give.
     - `batch_axis`: the batch axis (or axes).
@@ -283,14 +269,22 @@ def hybrid_step(
 
     **Returns:**
 
-    {returns}
+    A [`eqxpar.train.TrainStep`][]: `model, opt_state = step.init(model)`, then
+    `step(model, opt_state, batch, key=None) -> (model, opt_state, metrics)` (with
+    `has_state=True`: `step(model, state, opt_state, batch, key=None) -> (model, state,
+    opt_state, metrics)`); `metrics` holds `"loss"` and `"grad_norm"`, both global. The
+    batch is split as `P(batch_axis)` ([`eqxpar.train.shard_batch`][]).
 
     **Raises:**
 
-    {raises}
+    - `ValueError` at once for a mesh without the axes, `grad_accum < 1`, a non-optax
+      optimizer or a `loss_fn` that cannot take the step's arguments; when the step is first
+      called, before anything is compiled, if `param_specs` does not fit the model, the
+      global batch size is not divisible by the batch shards times `grad_accum`, or
+      `loss_fn` does not return a float scalar (and, with `has_state`, a pair); at every
+      call, for arguments in the wrong order, a key that is not a PRNG key, or a model or
+      optimizer state whose buffers an earlier call consumed (donated).
     """
-    from ..nn import partition_specs
-
     if isinstance(mesh, Mesh) and model_axis not in mesh.shape:
         raise ValueError(
             f"hybrid_step: the mesh has no model axis {model_axis!r} (its axes are "
@@ -305,7 +299,6 @@ def hybrid_step(
     )
 
 
-@_doc
 def fsdp_step(
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
@@ -331,7 +324,34 @@ def fsdp_step(
 
     **Arguments:**
 
-    {common}
+    - `loss_fn`: `loss_fn(model, batch, key) -> loss`, written for one device: `batch` is
+      this device's shard (or micro-batch), `loss` its mean over that shard (a float
+      scalar), `key` this shard's own PRNG key (`fold_in` of the step's key with the shard
+      index, and with the micro-batch index under `grad_accum`), or None when the step is
+      called without a key. With `has_state=True`: `loss_fn(model, state, batch, key) ->
+      (loss, state)`.
+    - `optimizer`: any optax `GradientTransformation`, including whole-gradient ones
+      (`optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4))`, `optax.MultiSteps`,
+      masked weight decay): it runs on the global gradient.
+    - `mesh`: the device mesh; it must have the batch axes.
+    - `grad_accum`: split each device's shard into this many micro-batches (rows `k, k+A,
+      k+2A, ...` form micro-batch `k`) and add up their gradients with `jax.lax.scan`
+      before the reduction. Same result as one step on the whole batch, with the
+      activation memory of one micro-batch.
+    - `precision`: an [`eqxpar.train.Precision`][]: the dtype the loss computes in and the
+      dtype gradients cross devices in (default: the parameters' own, e.g. all float32).
+    - `context_axis`: a mesh axis to split every example's sequence over (context
+      parallelism), or None. The batch's arrays are then `(batch, seq, ...)`, split as
+      `P(batch_axis, context_axis)`; `loss_fn` gets this device's part of every sequence
+      (e.g. in `eqxpar.nn.zigzag_order` layout) and returns its mean over those tokens,
+      and the step sums the gradients over the context axis as over a batch axis (every
+      device holds the same number of tokens, so the result is the global mean). The
+      dropout key differs between batch shards but is the same on every part of one
+      sequence, so a model can draw a whole sequence's mask and keep its own positions
+      (as [`eqxpar.models.GPT`][] does).
+    - `has_state`: whether the model carries `eqx.nn.State` (e.g. `eqx.nn.BatchNorm`, whose
+      `axis_name` must include the batch axes, e.g. `("batch", "data")` with a
+      `jax.vmap(..., axis_name="batch")` in the loss).
     - `param_specs`: where each parameter lives; default [`eqxpar.train.fsdp_specs`][]`(model,
       mesh, batch_axis=<the last batch axis>, param_specs=eqxpar.nn.partition_specs(model))`
       (so tensor-parallel layers stay split over their model axis too).
@@ -346,15 +366,23 @@ def fsdp_step(
 
     **Returns:**
 
-    {returns}
+    A [`eqxpar.train.TrainStep`][]: `model, opt_state = step.init(model)`, then
+    `step(model, opt_state, batch, key=None) -> (model, opt_state, metrics)` (with
+    `has_state=True`: `step(model, state, opt_state, batch, key=None) -> (model, state,
+    opt_state, metrics)`); `metrics` holds `"loss"` and `"grad_norm"`, both global. The
+    batch is split as `P(batch_axis)` ([`eqxpar.train.shard_batch`][]).
 
     **Raises:**
 
-    {raises}
+    - `ValueError` at once for a mesh without the axes, `grad_accum < 1`, a non-optax
+      optimizer or a `loss_fn` that cannot take the step's arguments; when the step is first
+      called, before anything is compiled, if `param_specs` does not fit the model, the
+      global batch size is not divisible by the batch shards times `grad_accum`, or
+      `loss_fn` does not return a float scalar (and, with `has_state`, a pair); at every
+      call, for arguments in the wrong order, a key that is not a PRNG key, or a model or
+      optimizer state whose buffers an earlier call consumed (donated).
     - `ValueError` at once if `remat` is set without `units`.
     """
-    from ..nn import partition_specs
-
     if remat and units is None:
         raise ValueError(
             "fsdp_step: remat=True needs units (e.g. units=lambda m: m.blocks): re-gathering "

@@ -8,9 +8,10 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, PyTree
 
-from .._specs import axis_names, check_axes, path_str
+from .._specs import AxisNames, axis_names, check_axes, path_str
 
 
 def check_builder(who: str, loss_fn: Any, optimizer: Any, mesh: Any, batch_axis: Any, grad_accum: Any, has_state: Any) -> int:
@@ -117,3 +118,31 @@ def checked_loss(value: Any, has_state: bool, who: str) -> tuple[Array, Any]:
             f"{dtype}. Reduce it, e.g. return per_example_loss.mean()."
         )
     return value, state
+
+
+def context_split(who: str, mesh: Mesh, batch_axis: AxisNames, context_axis: str | None) -> tuple[int, PartitionSpec]:
+    """The context axis size and the batch's spec: `P(batch_axis)`, or `P(batch_axis,
+    context_axis)` with the sequence (dimension 1) split over the context axis."""
+    if context_axis is None:
+        return 1, PartitionSpec(batch_axis)
+    if not isinstance(context_axis, str):
+        raise ValueError(f"{who}: context_axis must be one mesh axis name (a str) or None, got {context_axis!r}.")
+    n_context = check_axes(mesh, context_axis, who=who, arg="context_axis", role="to split the sequence over")
+    if context_axis in axis_names(batch_axis):
+        raise ValueError(
+            f"{who}: context_axis {context_axis!r} is also in batch_axis {batch_axis!r}; the batch "
+            f"(dimension 0) and the sequence (dimension 1) need different mesh axes."
+        )
+    return n_context, PartitionSpec(batch_axis, context_axis)
+
+
+def check_sequence_divides(batch: PyTree, who: str, n_context: int, context_axis: str) -> None:
+    """With a context axis: every batch array is `(batch, seq, ...)` with `seq` divisible by
+    the context shards (checked while tracing, before anything compiles)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        if eqx.is_array(leaf) and (leaf.ndim < 2 or leaf.shape[1] % n_context):
+            raise ValueError(
+                f"{who}: batch leaf {jax.tree_util.keystr(path)} has shape {leaf.shape}; with "
+                f"context_axis={context_axis!r} every batch array is (batch, seq, ...) with seq "
+                f"divisible by the {n_context} context shards."
+            )
