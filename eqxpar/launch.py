@@ -196,6 +196,7 @@ def launch(
     devices_per_proc: int | None = None,
     port: int | None = None,
     grace_s: float = 5.0,
+    term_grace_s: float = 60.0,
     timeout_s: float | None = None,
     show_gloo: bool = False,
     out=None,
@@ -214,6 +215,10 @@ def launch(
       127.0.0.1 only (nothing outside this machine can reach it).
     - `grace_s`: after a failure, how long the other processes get to exit after SIGTERM
       before they are killed.
+    - `term_grace_s`: when the launcher itself receives SIGTERM (a scheduler's preemption
+      notice), it passes SIGTERM on and gives the ranks this long to save a checkpoint and
+      exit (a recipe with `--checkpoint-dir` saves its current step, see
+      `eqxpar.checkpoint.Preempted`) before killing them.
     - `timeout_s`: stop everything and return 124 if the job runs longer than this;
       default: no limit.
     - `show_gloo`: keep gloo's per-connection messages (hidden by default).
@@ -316,7 +321,11 @@ def launch(
             if all(c == 0 for c in codes):
                 break
             if interrupted:
-                note(f"received {signal.Signals(interrupted[0]).name}; stopping all processes.")
+                if interrupted[0] == signal.SIGTERM:
+                    note(f"received SIGTERM; passing it on: the ranks get {max(grace_s, term_grace_s):g} s "
+                         f"to save a checkpoint and exit.")
+                else:
+                    note(f"received {signal.Signals(interrupted[0]).name}; stopping all processes.")
                 status = 128 + interrupted[0]
                 break
             if timeout_s is not None and time.monotonic() - start > timeout_s:
@@ -325,7 +334,8 @@ def launch(
                 break
             time.sleep(0.05)
     finally:
-        _stop(procs, grace_s)
+        preempted = interrupted[:1] == [signal.SIGTERM] and cause is None
+        _stop(procs, max(grace_s, term_grace_s) if preempted else grace_s)
         for c in copies:
             c.thread.join(timeout=2.0)
         for sig, handler in old_handlers.items():
@@ -363,12 +373,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
     parser.add_argument("--grace-s", type=float, default=5.0,
                         help="after a failure, seconds between SIGTERM and SIGKILL for the others")
+    parser.add_argument("--term-grace-s", type=float, default=60.0,
+                        help="on SIGTERM, seconds the ranks get to save a checkpoint and exit before SIGKILL")
     parser.add_argument("--timeout-s", type=float, default=None, help="stop the job after this many seconds")
     parser.add_argument("--show-gloo", action="store_true", help="keep gloo's connection messages")
     argv = list(sys.argv[1:] if argv is None else argv)
     # The launcher's own options come first; everything from the script (or `-m MODULE`) on
     # belongs to the program being launched, flags included.
-    takes_value = {"--nproc", "--devices-per-proc", "--port", "--grace-s", "--timeout-s"}
+    takes_value = {"--nproc", "--devices-per-proc", "--port", "--grace-s", "--term-grace-s", "--timeout-s"}
     i = 0
     while i < len(argv) and argv[i].startswith("-") and argv[i] != "-m":
         i += 2 if argv[i] in takes_value else 1
@@ -387,7 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return launch(
             command, nproc=args.nproc, devices_per_proc=args.devices_per_proc, port=args.port,
-            grace_s=args.grace_s, timeout_s=args.timeout_s, show_gloo=args.show_gloo,
+            grace_s=args.grace_s, term_grace_s=args.term_grace_s, timeout_s=args.timeout_s, show_gloo=args.show_gloo,
         )
     except ValueError as e:
         parser.error(str(e))

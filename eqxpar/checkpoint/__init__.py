@@ -11,6 +11,11 @@ for step in range(start, steps):
 ckpt.close()
 ```
 
+On SIGTERM (a scheduler's preemption notice) a `Checkpointer` made with
+`save_on_preemption=True` saves the step that `maybe_save` is called with, at the same step
+in every process, and raises [`eqxpar.checkpoint.Preempted`][] (exit status 143); a run
+restarted with `resume` continues bit for bit.
+
 A recipe creates it from its flags first thing, so that a wrong folder is refused before
 anything is built: `Checkpointer.from_config(cfg, shape_fields=("dim", "layers"))`.
 
@@ -35,6 +40,10 @@ and JSON; nothing is pickled.
 
 from ._checkpointer import Checkpointer
 from ._config import RECIPE_FREE_FIELDS
+from ._preemption import EXIT_PREEMPTED, Preempted, preempted, watch_preemption
 from ._restore import Restored
 
-__all__ = ["Checkpointer", "Restored", "RECIPE_FREE_FIELDS"]
+__all__ = [
+    "Checkpointer", "Restored", "RECIPE_FREE_FIELDS", "Preempted", "EXIT_PREEMPTED",
+    "preempted", "watch_preemption",
+]

@@ -15,6 +15,7 @@ from . import _folder
 from ._config import FLAGS, LIBRARY, as_json, check_folder, recipe_settings
 from ._folder import CONFIG, DATA, FORMAT, META, STATE
 from ._leaves import json_text, saved_arrays
+from ._preemption import preempted, stop_after_save, unwatch_preemption, watch_preemption
 from ._restore import Restored, candidates, read_newest, target
 
 __all__ = ["Checkpointer"]
@@ -90,6 +91,12 @@ class Checkpointer:
       size): resuming with other values is a `ValueError` here, before anything is built.
     - `free_fields`: fields of `config` that may change when resuming (`steps`, paths).
     - `verbose`: print (process 0) where `restore` resumed from, or that it starts fresh.
+    - `save_on_preemption`: on SIGTERM (a scheduler's preemption notice), the next
+      `maybe_save` saves its step whatever `save_every` says, at the same step in every
+      process, prints (process 0) where to resume, and raises
+      [`eqxpar.checkpoint.Preempted`][] (a `SystemExit`, status 143). Call `maybe_save`
+      after every step. One process: replaces SIGTERM's default action until `close` (see
+      `eqxpar/checkpoint/_preemption.py`). `from_config` turns it on.
 
     **Raises:**
 
@@ -112,6 +119,7 @@ class Checkpointer:
         shape_fields: Sequence[str] = (),
         free_fields: Sequence[str] = (),
         verbose: bool = False,
+        save_on_preemption: bool = False,
     ):
         for name, value in (("keep", keep), ("save_every", save_every)):
             if (value is not None or name != "keep") and (
@@ -137,6 +145,9 @@ class Checkpointer:
         self._manager = None  # orbax's CheckpointManager, opened at the first save or restore
         self._unreadable: list[int] = []  # steps restore skipped; removed before the next save
         self._closed = False
+        self._on_preemption = bool(save_on_preemption) and self.directory is not None
+        if self._on_preemption:
+            watch_preemption()
         if self.directory is not None:
             check_folder(
                 self.directory, resume=self.resume, config=self._config, shape_fields=self._shape_fields,
@@ -150,8 +161,9 @@ class Checkpointer:
         `cfg` is the recipe's config dataclass, derived from
         [`eqxpar.recipe.CheckpointFlags`][] (`--checkpoint-dir`, `--checkpoint-every`,
         `--resume`) and with a `steps` field. The folder is `--checkpoint-dir` (none: no
-        checkpoints), saved every `--checkpoint-every` steps, resumed with `--resume`; the
-        whole config is saved with each checkpoint. Resuming with other values of
+        checkpoints), saved every `--checkpoint-every` steps and on SIGTERM
+        (`save_on_preemption`), resumed with `--resume`; the whole config is saved with
+        each checkpoint. Resuming with other values of
         `shape_fields` is refused; other changed flags give a warning, except those in
         `RECIPE_FREE_FIELDS` (`--steps`, `--mesh`, `--devices`, `--metrics-out` and the
         checkpoint flags). It prints where a restore resumed from. Saves are synchronous,
@@ -176,7 +188,8 @@ class Checkpointer:
         """
         self = cls.__new__(cls)
         self._spelling = FLAGS
-        cls.__init__(self, **recipe_settings(cfg), keep=keep, shape_fields=shape_fields, verbose=True)
+        cls.__init__(self, **recipe_settings(cfg), keep=keep, shape_fields=shape_fields, verbose=True,
+                     save_on_preemption=True)
         return self
 
     # -- the folder ---------------------------------------------------------------------------
@@ -201,6 +214,7 @@ class Checkpointer:
         then); the first opening removes eqxpar's interrupted saves."""
         self._check_open()
         if self._manager is None:
+            # orbax is an optional extra: it (and ._orbax) loads on first use, not at import.
             import orbax.checkpoint as ocp
 
             from ._orbax import OwnSteps
@@ -248,7 +262,8 @@ class Checkpointer:
         **Returns:**
 
         `True` if a checkpoint was saved (or, with `async_save`, started); always `False`
-        without a `directory`.
+        without a `directory`. After a preemption notice (`save_on_preemption`) it saves
+        and raises [`eqxpar.checkpoint.Preempted`][] instead.
 
         **Raises:**
 
@@ -260,13 +275,15 @@ class Checkpointer:
         """
         self._check_open()
         step = _check_int(step, "maybe_save: step")
-        if not self.enabled or (not force and step % self.save_every):
+        stop = self._on_preemption and preempted(step)  # every process, every step
+        if not self.enabled or (not force and not stop and step % self.save_every):
             return False
         data_text = json_text(data_state)
         arrays, described = saved_arrays(state)
         manager = self._open()
         self._drop_unreadable()
         self._check_free(step)
+        # orbax is an optional extra: it (and ._orbax) loads on first use, not at import.
         import orbax.checkpoint as ocp
 
         from ._orbax import JsonFileSave, PerProcessJsonSave
@@ -280,24 +297,16 @@ class Checkpointer:
         if self._config is not None:
             items[CONFIG] = JsonFileSave(self._config)
         manager.save(step, args=ocp.args.Composite(**items), force=True)  # decided above
+        if stop:  # a preemption notice: the checkpoint complete on disk, then stop
+            self.close()
+            hint = ("the same flags and --resume" if self._spelling is FLAGS else
+                    f"a Checkpointer({self.directory!r}, resume=True) and its restore()")
+            raise stop_after_save(step, _folder.step_dir(self.directory, step), hint,
+                                  lambda line: print(line, flush=True))
         return True
 
     def _check_free(self, step: int) -> None:
-        path = _folder.step_dir(self.directory, step)
-        if _folder.is_own(path):
-            raise ValueError(
-                f"maybe_save: {self.directory} already holds a checkpoint for step {step}; "
-                f"nothing was overwritten. This happens when a run restarts from an older "
-                f"checkpoint than the newest: resume from the newest (restore without "
-                f"step=), delete {path}, or use another directory."
-            )
-        if os.path.lexists(path):
-            raise ValueError(
-                f"maybe_save: {path}, where checkpoint {step} goes, is in the way: eqxpar did "
-                f"not write it (no {_folder.META}/{_folder.JSON_FILE} inside), so it neither "
-                f"overwrites nor deletes it. Nothing was written; move it, or keep "
-                f"checkpoints in a folder of their own."
-            )
+        _folder.check_free(self.directory, step)
 
     def _drop_unreadable(self) -> None:
         for step in self._unreadable:
@@ -398,6 +407,8 @@ class Checkpointer:
                 self._manager.wait_until_finished()
                 self._manager.close()
             self._closed = True
+            if self._on_preemption:  # SIGTERM's previous handler back, once no one watches
+                unwatch_preemption()
 
     def __enter__(self) -> Checkpointer:
         return self

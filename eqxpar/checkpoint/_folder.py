@@ -117,3 +117,22 @@ def newest_config(directory: str, steps: list[int]) -> tuple[int, dict[str, Any]
         if isinstance(config, dict):
             return step, config
     return None
+
+
+def check_free(directory: str, step: int) -> None:
+    """Refuse to save checkpoint `step` over one of ours or over a folder eqxpar did not write."""
+    path = step_dir(directory, step)
+    if is_own(path):
+        raise ValueError(
+            f"maybe_save: {directory} already holds a checkpoint for step {step}; "
+            f"nothing was overwritten. This happens when a run restarts from an older "
+            f"checkpoint than the newest: resume from the newest (restore without "
+            f"step=), delete {path}, or use another directory."
+        )
+    if os.path.lexists(path):
+        raise ValueError(
+            f"maybe_save: {path}, where checkpoint {step} goes, is in the way: eqxpar did "
+            f"not write it (no {META}/{JSON_FILE} inside), so it neither "
+            f"overwrites nor deletes it. Nothing was written; move it, or keep "
+            f"checkpoints in a folder of their own."
+        )
