@@ -85,7 +85,6 @@ def main(argv=None) -> dict:
 
     from eqxpar.nn import partition_specs
     from eqxpar.datasets import python_source_text
-    from eqxpar.fsdp import fsdp_specs, fsdp_step
     from eqxpar.inspect import (
         CommReport,
         MemoryReport,
@@ -93,7 +92,7 @@ def main(argv=None) -> dict:
         fsdp_theory,
     )
     from eqxpar.models import GPT, gpt_tensor_parallel_theory, next_token_loss
-    from eqxpar.train import hybrid_step, optimizer_specs
+    from eqxpar.train import fsdp_specs, fsdp_step, hybrid_step, optimizer_specs
 
     strategies = [s for s in STRATEGIES if s.devices <= jax.device_count()]
     text = python_source_text()

@@ -1,8 +1,9 @@
 """eqxpar: Equinox functional training recipes for parallel JAX.
 
-Layers, bottom to top: placement (meshes, shardings), mapping (`filter_shard_map`),
-tensor-parallel layers (`eqxpar.nn`), train steps, and what goes around a step
-(multi-host start-up, data loading, checkpointing, inspection).
+Layers, bottom to top: placement (meshes, shardings), mapping (`filter_shard_map`) and
+inspection, tensor-parallel layers (`eqxpar.nn`), train steps (`eqxpar.train`), models
+(`eqxpar.models`), and what goes around a step (multi-host start-up, data loading,
+checkpointing); see docs/concepts/architecture.md.
 """
 
 from ._mesh import fit_mesh, make_mesh, parse_mesh, simulate_cpu_devices
@@ -12,7 +13,6 @@ from . import train  # train steps: eqxpar.train.data_parallel_step
 from . import nn  # tensor-parallel layers: eqxpar.nn.ParallelMLP, ...
 from . import inspect  # what a compiled function communicates
 from . import models  # a small GPT built from eqxpar.nn layers
-from . import fsdp  # short name for eqxpar.train.fsdp_step / fsdp_specs
 from .inspect import communication_report, memory_report
 from ._specs import broadcast_specs, validate_spec
 from ._sharding import (

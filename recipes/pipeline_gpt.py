@@ -29,11 +29,10 @@ import eqxpar
 import eqxpar.recipe
 from eqxpar.datasets import python_source_text, text_windows
 from eqxpar.inspect import CommReport
-from eqxpar.models import GPT
+from eqxpar.models import GPT, gpt_stages
 from eqxpar.train import (
     SCHEDULES,
     bubble_theory,
-    gpt_stages,
     pipeline_step,
     shard_batch,
 )

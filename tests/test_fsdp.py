@@ -13,9 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 import eqxpar
 import eqxpar.nn
-from eqxpar.fsdp import fsdp_specs, fsdp_step
 from eqxpar.inspect import CommReport
-from eqxpar.train import optimizer_specs
+from eqxpar.train import fsdp_specs, fsdp_step, optimizer_specs
 from eqxpar.testing import assert_trees_close, mesh_sizes
 
 from _gpt_reference import loss_fn, reference_run, sgd_momentum, tiny_gpt, token_batch

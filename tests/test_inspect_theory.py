@@ -19,7 +19,6 @@ from jax.sharding import PartitionSpec as P
 
 import eqxpar
 import eqxpar.nn
-from eqxpar.fsdp import fsdp_specs, fsdp_step
 from eqxpar.inspect import (
     COLLECTIVE_KINDS,
     CommReport,
@@ -34,7 +33,7 @@ from eqxpar.inspect import (
 )
 from eqxpar.models import gpt_tensor_parallel_theory
 from eqxpar.testing import mesh_sizes
-from eqxpar.train import data_parallel_step, hybrid_step, optimizer_specs
+from eqxpar.train import data_parallel_step, fsdp_specs, fsdp_step, hybrid_step, optimizer_specs
 
 from _gpt_reference import CONTEXT, loss_fn, sgd_momentum, tiny_gpt, token_batch
 

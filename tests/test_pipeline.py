@@ -19,9 +19,9 @@ import eqxpar
 import eqxpar.nn
 import eqxpar.train._pipeline as pipeline_module
 import eqxpar.train._pipeline_run as run_module
-from eqxpar.models import GPT, next_token_loss
+from eqxpar.models import GPT, gpt_stages, next_token_loss
 from eqxpar.testing import assert_trees_close
-from eqxpar.train import gpt_stages, make_schedule, pipeline_step, shard_batch
+from eqxpar.train import make_schedule, pipeline_step, shard_batch
 
 VOCAB, SEQ = 40, 8
 # Not Adam (scale-invariant, it would hide a gradient off by a constant factor).

@@ -6,8 +6,8 @@ import optax
 import pytest
 
 import eqxpar
-from eqxpar.models import GPT
-from eqxpar.train import gpt_stages, pipeline_step, shard_batch
+from eqxpar.models import GPT, gpt_stages
+from eqxpar.train import pipeline_step, shard_batch
 
 OPT = optax.sgd(0.1)
 

@@ -30,10 +30,13 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # inspect reads any compiled function (it imports only the spec vocabulary), and the
     # GPT in eqxpar.models states its own communication and FLOPs with it: it sits below.
     ("2. mapping and inspection", ("eqxpar._shard_map", "eqxpar.inspect")),
-    ("3. layers", ("eqxpar.nn", "eqxpar.models")),
-    ("4. train steps", ("eqxpar.train", "eqxpar.fsdp")),
+    ("3. layers", ("eqxpar.nn",)),
+    ("4. train steps", ("eqxpar.train",)),
+    # A model states how the model-agnostic train steps cut it (`gpt_stages` returns an
+    # `eqxpar.train.Stages`), so models sit above train, and train cannot name a model.
+    ("5. models", ("eqxpar.models",)),
     (
-        "5. around the step",
+        "6. around the step",
         (
             "eqxpar.data",
             "eqxpar.checkpoint",
@@ -44,7 +47,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "eqxpar.datasets",
         ),
     ),
-    ("6. recipes' plumbing", ("eqxpar.testing", "eqxpar.recipe", "eqxpar")),
+    ("7. recipes' plumbing", ("eqxpar.testing", "eqxpar.recipe", "eqxpar")),
 )
 
 
@@ -138,8 +141,8 @@ def draw(path: str | pathlib.Path, package: pathlib.Path = PACKAGE) -> None:
 
     width, band, box_w, box_h = 16.0, 1.6, 1.75, 0.62
     fig, ax = plt.subplots(figsize=(13, 9.5), dpi=100)
-    colours = ["#dbe9f6", "#d9f0d3", "#fde6c8", "#f8d5d5", "#e5dbf2", "#eeeeee"]
-    lines = ["#2b5d8a", "#2f7a2a", "#b06a00", "#a83232", "#6a4a9c", "#555555"]
+    colours = ["#dbe9f6", "#d9f0d3", "#fde6c8", "#f8d5d5", "#d5f0ee", "#e5dbf2", "#eeeeee"]
+    lines = ["#2b5d8a", "#2f7a2a", "#b06a00", "#a83232", "#1f7a72", "#6a4a9c", "#555555"]
     centres = _positions(edges, width, band)
     for i, (title, parts) in enumerate(LAYERS):
         y = i * band

@@ -23,6 +23,7 @@ from ._communication import gpt_tensor_parallel_theory
 from ._memory import gpt_activation_theory
 from ._flops import gpt_flops_per_token, gpt_matmul_params
 from ._configs import GPT_CONFIGS, GPTConfig, gpt_config
+from ._stages import gpt_stages
 
 __all__ = [
     "TransformerBlock",
@@ -42,4 +43,5 @@ __all__ = [
     "GPTConfig",
     "GPT_CONFIGS",
     "gpt_config",
+    "gpt_stages",
 ]

@@ -234,13 +234,8 @@ class GPT(TensorParallelLayer):
                 raise ValueError(f"GPT: tokens must be (seq,) or (*batch, seq), got shape {tokens.shape}.")
             embed_key, *block_keys = split_keys(key, 1 + self.num_layers)
             rows, length = self._rows(tokens.shape[-1])
-            sequence_dim = -2 if self.sequence_parallel else None
             with jax.named_scope("embedding"):
-                x = self.token_embedding(tokens, sequence_dim=None if sequence_dim is None else -1)
-                positions = self.position_embedding.weight[:length]  # the rows a sequence reads
-                x = x + (positions if rows is None else positions[rows])
-                # The same key on every device; a split sequence takes its rows of the whole mask.
-                x = sequence_dropout(self.dropout, x, rows, length, key=embed_key, inference=inference)
+                x = embed_tokens(self, tokens, key=embed_key, inference=inference, rows=rows, length=length)
             wrap = remat_wrapper(self.remat)
             if self.scan_layers:
                 keys = None if key is None else jnp.stack(block_keys)
@@ -250,8 +245,7 @@ class GPT(TensorParallelLayer):
                 for i, (block, block_key) in enumerate(zip(self.blocks, block_keys)):
                     x = apply(block, x, block_key, inference, f"block_{i}", rows, length)
             with jax.named_scope("head"):
-                logits = self.head(layer_norm(self.final_norm, x), sequence_dim=sequence_dim)
-                return self._mask_padding(logits)
+                return head_logits(self, x)
 
     def _rows(self, seq: int) -> tuple[Array | None, int]:
         """The global positions of this device's rows of the residual stream (`None`: all
@@ -277,12 +271,42 @@ class GPT(TensorParallelLayer):
             rows = jax.lax.dynamic_slice_in_dim(rows, jax.lax.axis_index(self.axis_name) * (seq // n), seq // n)
         return rows, length
 
-    def _mask_padding(self, logits):
-        if self.padded_vocab_size == self.vocab_size:
-            return logits
-        block = logits.shape[-1]
-        ids = jax.lax.axis_index(self.axis_name) * block + jnp.arange(block)
-        return jnp.where(ids < self.vocab_size, logits, -jnp.inf)
+
+
+# The GPT's parts before and after its blocks, shared by the GPT's own call and its pipeline
+# cut (`eqxpar.models.gpt_stages`), so the two compute one thing.
+
+
+def embed_tokens(model: GPT, tokens, *, key, inference, rows=None, length=None):
+    """Token plus position embeddings, then dropout: the residual stream the blocks take.
+
+    `rows`, `length`: this device's global positions of a sequence split over devices and
+    the whole length (`None`: `tokens` holds whole sequences).
+    """
+    sequence_dim = -1 if model.sequence_parallel else None
+    x = model.token_embedding(tokens, sequence_dim=sequence_dim)
+    length = tokens.shape[-1] if length is None else length
+    positions = model.position_embedding.weight[:length]  # the rows a sequence reads
+    x = x + jnp.broadcast_to(positions if rows is None else positions[rows], x.shape)
+    # The same key on every device; a split sequence takes its rows of the whole mask.
+    return sequence_dropout(model.dropout, x, rows, length, key=key, inference=inference)
+
+
+def head_logits(model: GPT, x):
+    """The final norm and head on the residual stream: this device's block of the padded
+    vocabulary's logits, `-inf` at padding ids."""
+    sequence_dim = -2 if model.sequence_parallel else None
+    logits = model.head(layer_norm(model.final_norm, x), sequence_dim=sequence_dim)
+    if model.padded_vocab_size == model.vocab_size:
+        return logits
+    block = logits.shape[-1]
+    ids = jax.lax.axis_index(model.axis_name) * block + jnp.arange(block)
+    return jnp.where(ids < model.vocab_size, logits, -jnp.inf)
+
+
+def mean_cross_entropy(model: GPT, logits, targets):
+    """The mean next-token cross-entropy of `logits` (this device's vocabulary block)."""
+    return jnp.mean(vocab_parallel_cross_entropy(logits, targets, model.axis_name, model.vocab_size))
 
 
 def _apply_block(block, x, key, inference, name, rows, length):
@@ -315,7 +339,7 @@ def next_token_loss(
     inputs, targets = tokens[..., :-1], tokens[..., 1:]
     logits = model(inputs, key=key)
     with jax.named_scope("loss"):
-        return jnp.mean(vocab_parallel_cross_entropy(logits, targets, model.axis_name, model.vocab_size))
+        return mean_cross_entropy(model, logits, targets)
 
 
 def stack_blocks(model: GPT) -> GPT:

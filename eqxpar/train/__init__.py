@@ -27,7 +27,7 @@ from ._builders import LossFn, data_parallel_step, fsdp_step, hybrid_step
 from ._fsdp import fsdp_specs
 from ._placement import optimizer_specs, shard_batch
 from ._pipeline import pipeline_specs, pipeline_step
-from ._pipeline_stages import Stages, gpt_stages
+from ._pipeline_stages import Stages
 from ._precision import Precision
 from ._schedule import SCHEDULES, Schedule, bubble_theory, make_schedule
 from ._step import TrainStep
@@ -49,5 +49,4 @@ __all__ = [
     "pipeline_step",
     "pipeline_specs",
     "Stages",
-    "gpt_stages",
 ]

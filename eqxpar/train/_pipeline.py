@@ -32,6 +32,7 @@ from .._specs import (
     pad_spec,
     spec_axes,
 )
+from ..nn import partition_specs
 from ._checks import check_batch_divides, check_builder
 from ._gradients import leaf_plans, whole_leaf
 from ._pipeline_run import PipelinePlan, gpipe_loss, one_f_one_b
@@ -134,7 +135,7 @@ def pipeline_step(
 
     **Arguments:**
 
-    - `stages`: the model's [`eqxpar.train.Stages`][] (e.g. [`eqxpar.train.gpt_stages`][]`()`).
+    - `stages`: the model's [`eqxpar.train.Stages`][] (e.g. [`eqxpar.models.gpt_stages`][]`()`).
     - `optimizer`: any optax `GradientTransformation`; it runs on the global gradient.
     - `mesh`: a mesh with the stage axis and the batch axes (and any model axis the layers
       are tensor-parallel over).
@@ -174,7 +175,7 @@ def pipeline_step(
     """
     who = "pipeline_step"
     if not isinstance(stages, Stages):
-        raise ValueError(f"{who}: stages must be an eqxpar.train.Stages (e.g. eqxpar.train.gpt_stages()), got {type(stages).__name__}.")  # noqa: TRY004
+        raise ValueError(f"{who}: stages must be an eqxpar.train.Stages (e.g. eqxpar.models.gpt_stages()), got {type(stages).__name__}.")  # noqa: TRY004
     if not isinstance(remat, bool):
         raise ValueError(f"{who}: remat must be True or False, got {remat!r}.")  # noqa: TRY004
     for name, value in (("microbatches", microbatches), ("virtual_stages", virtual_stages)):
@@ -199,8 +200,6 @@ def pipeline_step(
     share = 1.0 / (n_batch * microbatches)
 
     def specs_for(model):
-        from ..nn import partition_specs
-
         layers = stages.num_layers(model)
         if layers % (P * virtual_stages):
             raise ValueError(

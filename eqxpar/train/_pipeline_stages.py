@@ -1,4 +1,5 @@
-"""`Stages`: a model cut into the three parts a pipeline needs, and the GPT's cut."""
+"""`Stages`: a model cut into the three parts a pipeline needs (a model's own cut lives with
+the model, e.g. [`eqxpar.models.gpt_stages`][])."""
 
 from __future__ import annotations
 
@@ -11,13 +12,42 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PyTree
 
-__all__ = ["Stages", "gpt_stages", "layer_key"]
+__all__ = ["Stages", "layer_key"]
 
 
 def layer_key(key: Any, index: Any) -> Any:
     """The key of part `index` of one micro-batch's pass (0: `first`, `1 + l`: layer `l`,
     `num_layers + 1`: `last`), or None without a key."""
     return None if key is None else jax.random.fold_in(key, index)
+
+
+def _describe(tree: PyTree) -> str:
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    if len(leaves) == 1 and not leaves[0][0]:
+        return _aval(leaves[0][1])
+    return "{" + ", ".join(f"{jax.tree_util.keystr(p)}: {_aval(x)}" for p, x in leaves) + "}"
+
+
+def _aval(x: Any) -> str:
+    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+    return f"{type(x).__name__}" if shape is None else f"{jnp.dtype(dtype).name}{list(shape)}"
+
+
+def _check_same_activation(x: PyTree, out: PyTree) -> None:
+    """A stacked layer must return the activation it takes, in shape and dtype: the layers
+    are scanned, and the pipeline sends `x` from stage to stage in a buffer of that shape."""
+    same = jax.tree.structure(x) == jax.tree.structure(out) and all(
+        getattr(a, "shape", None) == getattr(b, "shape", None) and getattr(a, "dtype", None) == getattr(b, "dtype", None)
+        for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(out))
+    )
+    if not same:
+        raise ValueError(
+            f"Stages.layer changes the activation: it takes x = {_describe(x)} and returns "
+            f"{_describe(out)}. Every stacked layer must return x with the shape and dtype it "
+            f"takes (the layers are scanned, and the pipeline passes x from stage to stage): "
+            f"keep the width constant across the layers, and put a layer that changes it in "
+            f"Stages.first or Stages.last."
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +90,9 @@ class Stages:
 
         def body(x, inputs):
             arrays, j = inputs
-            return self.layer(eqx.combine(arrays, static), x, layer_key(key, 1 + first_index + j)), None
+            out = self.layer(eqx.combine(arrays, static), x, layer_key(key, 1 + first_index + j))
+            _check_same_activation(x, out)  # while tracing: before the scan's carry TypeError
+            return out, None
 
         x, _ = jax.lax.scan(body, x, (dynamic, jnp.arange(count)))
         return x
@@ -83,46 +115,3 @@ class Stages:
         x = self.first(model, batch, layer_key(key, 0))
         x = self.run_layers(self.layers(model), x, key, 0)
         return self.last(model, x, batch, layer_key(key, n + 1))
-
-
-def gpt_stages() -> Stages:
-    """The [`eqxpar.train.Stages`][] of an [`eqxpar.models.GPT`][] built with
-    `scan_layers=True` (or converted with [`eqxpar.models.stack_blocks`][]), whose batch
-    is `(batch, seq + 1)` token ids: the embeddings (token and position, with dropout)
-    first, the transformer blocks stacked, the final norm, head and next-token
-    cross-entropy last (as [`eqxpar.models.next_token_loss`][]). Without dropout (or
-    without a key) it computes exactly the GPT's own loss; with dropout, each layer's key
-    is `fold_in(key, 1 + layer)` ([`eqxpar.train.Stages.loss`][] is then the one-device
-    reference, not the GPT's own call, which splits its key differently).
-
-    **Returns:**
-
-    The `Stages`.
-    """
-    from ..nn import layer_norm, vocab_parallel_cross_entropy
-
-    def first(model, tokens, key):
-        inputs = tokens[..., :-1]
-        x = model.token_embedding(inputs) + model.position_embedding.weight[: inputs.shape[-1]]
-        return model.dropout(x, key=key, inference=key is None)
-
-    def layer(block, x, key):
-        return block(x, key=key, inference=key is None)
-
-    def last(model, x, tokens, key):
-        logits = model.head(layer_norm(model.final_norm, x))
-        if model.padded_vocab_size != model.vocab_size:
-            block = logits.shape[-1]
-            ids = jax.lax.axis_index(model.axis_name) * block + jnp.arange(block)
-            logits = jnp.where(ids < model.vocab_size, logits, -jnp.inf)
-        return jnp.mean(vocab_parallel_cross_entropy(logits, tokens[..., 1:], model.axis_name, model.vocab_size))
-
-    def layers(model):
-        if not model.scan_layers:
-            raise ValueError(
-                "gpt_stages: the GPT's blocks must be stacked to split them over stages: build it "
-                "with scan_layers=True or convert it with eqxpar.models.stack_blocks(model)."
-            )
-        return model.blocks.layers
-
-    return Stages(first=first, layers=layers, layer=layer, last=last)
