@@ -28,6 +28,8 @@ from ._mesh import make_mesh
 from ._shard_map import filter_shard_map
 from ._sharding import gather
 from ._specs import path_str
+from .nn import partition_specs, to_dense
+from .train import hybrid_step, shard_batch
 
 __all__ = [
     "mesh_sizes",
@@ -289,9 +291,6 @@ def check_parallel_parity(
     - `ValueError` if `parallel_model` is not a parallel form of `dense_model` (different
       structure once made dense, or different starting parameters), or `steps < 1`.
     """
-    from .nn import partition_specs, to_dense
-    from .train import hybrid_step, shard_batch
-
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"check_parallel_parity: steps must be a positive integer, got {steps!r}.")
     as_dense = to_dense(parallel_model)

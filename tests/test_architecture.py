@@ -50,8 +50,8 @@ def test_the_reader_sees_relative_lazy_and_submodule_imports():
     graph = arch.import_graph()
     # `from ._specs import ...` at module level
     assert "eqxpar._specs" in graph["eqxpar._shard_map"]
-    # `from .train import hybrid_step, shard_batch` inside a function
-    assert "eqxpar.train" in graph["eqxpar.testing"]
+    # `from ._orbax import OwnSteps` inside a function
+    assert "eqxpar.checkpoint._orbax" in graph["eqxpar.checkpoint._checkpointer"]
     # `from .. _specs import ...` two levels up, and `from . import _folder`
     assert "eqxpar._specs" in graph["eqxpar.checkpoint._leaves"]
     assert "eqxpar.checkpoint._folder" in graph["eqxpar.checkpoint._config"]
@@ -85,3 +85,51 @@ def test_private_jax_only_in_compat():
             if any(n == "jax._src" or n.startswith("jax._src.") for n in names):
                 users.append(str(path.relative_to(ROOT)))
     assert not users, f"private JAX outside eqxpar/_compat.py: {sorted(set(users))}"
+
+
+def _local_imports_without_reason(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[str]:
+    """The imports of eqxpar modules inside functions of `path` with no comment saying why:
+    on the line itself, or in the comment lines just above it (blank lines and the other
+    imports of the same group skipped)."""
+    lines = path.read_text().splitlines()
+    found = []
+    for fn in ast.walk(ast.parse("\n".join(lines))):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.ImportFrom):
+                ours = node.level > 0 or (node.module or "").split(".")[0] == "eqxpar"
+            elif isinstance(node, ast.Import):
+                ours = any(alias.name.split(".")[0] == "eqxpar" for alias in node.names)
+            else:
+                continue
+            if not ours:
+                continue
+            reason = "#" in lines[node.lineno - 1]
+            i = node.lineno - 2
+            while not reason and i >= 0:
+                text = lines[i].strip()
+                if text.startswith("#"):
+                    reason = True
+                elif not (text == "" or text.startswith(("import ", "from "))):
+                    break
+                i -= 1
+            if not reason:
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return sorted(set(found))
+
+
+def test_imports_inside_functions_say_why():
+    """An eqxpar module imported inside a function, not at the top, says why in a comment
+    (the import cycle it breaks, or the optional extra it defers): a local import that
+    needs no reason belongs at the top of the file, where the reader looks for it."""
+    bad = [hit for path in sorted((ROOT / "eqxpar").rglob("*.py")) for hit in _local_imports_without_reason(path)]
+    assert not bad, f"move these imports to the top of the file, or comment the cycle they break: {bad}"
+
+
+def test_a_local_import_without_reason_is_reported(tmp_path):
+    (tmp_path / "m.py").write_text(
+        "def f():\n    from .nn import x\n\n"
+        "def g():\n    # cycle: eqxpar.a imports eqxpar.b, which imports eqxpar.a\n    from .a import y\n"
+    )
+    assert _local_imports_without_reason(tmp_path / "m.py", tmp_path) == ["m.py:2"]

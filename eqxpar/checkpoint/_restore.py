@@ -86,6 +86,7 @@ def all_processes_agree(ok: bool) -> bool:
 
 
 def _read(manager, step: int, items: dict[str, Any]) -> tuple[Any, BaseException | None]:
+    # orbax is an optional extra: it (and ._orbax) loads on first use, not at import.
     import orbax.checkpoint as ocp
 
     from ._orbax import IncompatibleCheckpoint
@@ -99,6 +100,7 @@ def _read(manager, step: int, items: dict[str, Any]) -> tuple[Any, BaseException
 
 
 def _read_meta(manager, step: int, where: str) -> tuple[Any, BaseException | None]:
+    # orbax is an optional extra: it (and ._orbax) loads on first use, not at import.
     from ._orbax import JsonFileRestore
 
     read, error = _read(manager, step, {META: JsonFileRestore()})
@@ -124,6 +126,7 @@ def read_step(manager, directory: str, step: int, like: Target) -> tuple[Restore
     - `ValueError` if it can be read but does not fit `like` (naming the first differing
       leaf), or its data states cannot go to this many processes.
     """
+    # orbax is an optional extra: it (and ._orbax) loads on first use, not at import.
     import orbax.checkpoint as ocp
 
     from ._orbax import PerProcessJsonRestore

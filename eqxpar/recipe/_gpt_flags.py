@@ -8,6 +8,11 @@ import math
 from typing import Any, TypeVar
 
 import jax
+import jax.numpy as jnp
+
+from ..inspect import mfu
+from ..models import GPT_CONFIGS, REMAT_CHOICES, gpt_config, remat_wrapper
+from ..train import Precision
 
 __all__ = ["GPTFlags", "check_gpt_flags", "speed_metrics", "speed_text"]
 
@@ -37,10 +42,6 @@ class GPTFlags:
 
     def precision(self):
         """The [`eqxpar.train.Precision`][] of `--dtype`: `Precision()` (no change) for float32."""
-        import jax.numpy as jnp
-
-        from ..train import Precision
-
         return Precision(compute_dtype=jnp.bfloat16 if self.dtype == "bfloat16" else None)
 
 
@@ -65,8 +66,6 @@ def check_gpt_flags(cfg: C) -> C:
     - `ValueError` naming the flag, its choices and the value given; for `--remat offload`
       on a backend without host offload, naming the backend and the other choices.
     """
-    from ..models import GPT_CONFIGS, REMAT_CHOICES, gpt_config, remat_wrapper
-
     choices = {
         "config": ("custom", *GPT_CONFIGS),
         "dtype": ("float32", "bfloat16"),
@@ -103,10 +102,6 @@ def speed_metrics(tokens_per_second: float, flops_per_token: float, n_devices: i
     unknown (on CPU). A run that timed no step (`--steps 1`: its one step included the
     compile; or a `--resume` of a finished run) has `None` for the rates and the MFU.
     """
-    import jax.numpy as jnp
-
-    from ..inspect import mfu
-
     timed = isinstance(tokens_per_second, (int, float)) and math.isfinite(tokens_per_second)
     return {
         "tokens_per_second": tokens_per_second if timed else None,

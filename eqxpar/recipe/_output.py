@@ -13,6 +13,9 @@ from typing import Any
 import jax
 from jaxtyping import PyTree
 
+from .._sharding import gather
+from .._specs import path_str
+
 __all__ = ["is_main_process", "progress", "steps_to_run", "Throughput", "write_metrics", "parameter_digest"]
 
 
@@ -161,9 +164,6 @@ def parameter_digest(tree: PyTree) -> str:
 
     import equinox as eqx
     import numpy as np
-
-    from .._sharding import gather
-    from .._specs import path_str
 
     def raw(x):
         if eqx.is_array(x) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
