@@ -2,8 +2,8 @@
 
 Every device holds the whole model and one shard of each global batch. Each step, every
 device computes the loss and gradient on its shard; one all-reduce over the `data` axis
-averages them (`jax.lax.psum` of each shard's share, in `per_device` in
-`eqxpar/train.py`), and every device applies the same update, so the replicas stay
+averages them (`jax.lax.psum` of each shard's share, in `per_device_gradients` in
+`eqxpar/train/_gradients.py`), and every device applies the same update, so the replicas stay
 identical. The result equals training on one device with
 the whole batch: run it with `--mesh data=1` and compare the final loss.
 

@@ -4,8 +4,9 @@ Every process runs this same script (SPMD). After `eqxpar.distributed.initialize
 `jax.devices()` lists the devices of *all* processes and the mesh spans them, so one
 data-parallel step runs on all of them: each process loads only its own part of every global
 batch (`eqxpar.data.load_per_process`), each device computes the gradient of its shard, and
-the step's one `jax.lax.pmean` over the `data` axis (`per_device` in `eqxpar/train.py`)
-averages the gradients across all devices of all processes. The replicas stay identical,
+the step's one `jax.lax.psum` over the `data` axis of each shard's share (its mean over the
+number of shards; `per_device_gradients` in `eqxpar/train/_gradients.py`) averages the
+gradients across all devices of all processes. The replicas stay identical,
 and the result equals training on one device: compare the final losses below.
 
 Run it as 2 processes with 4 simulated CPU devices each (8 devices in all), one process
