@@ -12,7 +12,16 @@ import eqxpar
 # Before anything touches a JAX backend.
 eqxpar.simulate_cpu_devices(8)
 
+import jax  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+
+# The library must not lean on implicit dtype promotion or rank broadcasting: under these
+# settings a mixed-dtype op (float32 + bfloat16, int32 + float32 arrays) or an implicit
+# broadcast between ranks (a (n,) with a (m, n)) raises, so every promotion in eqxpar is an
+# explicit astype and every broadcast an explicit [..., None] or broadcast_to. The recipes run
+# with JAX's defaults; library code works under both.
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_numpy_rank_promotion", "raise")
 
 settings.register_profile(
     "default",

@@ -291,7 +291,7 @@ class RowParallelLinear(TensorParallelLayer):
                 # The forward all-reduce: add up the devices' partial products.
                 y = jax.lax.psum(partial_y, self.axis_name)
             if self.bias is not None:
-                y = y + self.bias  # once, after the psum
+                y = y + jnp.broadcast_to(self.bias, y.shape)  # once, after the psum
             return y
 
 
@@ -301,7 +301,7 @@ def linear(x: Array, weight: Array, bias: Array | None) -> Array:
         y = weight @ x  # one example: exactly eqx.nn.Linear's product
     else:
         y = jnp.einsum("...i,oi->...o", x, weight)
-    return y if bias is None else y + bias
+    return y if bias is None else y + jnp.broadcast_to(bias, y.shape)
 
 
 def _dense_linear(in_features: int, out_features: int, weight, bias) -> eqx.nn.Linear:

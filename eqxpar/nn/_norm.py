@@ -76,8 +76,9 @@ def _normalize_fwd(x, weight, bias, eps):
     variance = jnp.maximum(0.0, jnp.var(x, axis=-1, keepdims=True))
     inverse = jax.lax.rsqrt(variance + eps)
     normalised = (x - mean) * inverse
-    out = normalised if weight is None else weight * normalised
-    out = out if bias is None else out + bias
+    # weight and bias, shape (dim,), broadcast explicitly over x's leading dimensions.
+    out = normalised if weight is None else jnp.broadcast_to(weight, x.shape) * normalised
+    out = out if bias is None else out + jnp.broadcast_to(bias, x.shape)
     return out, (normalised, inverse, weight, None if bias is None else ())
 
 
@@ -86,7 +87,7 @@ def _normalize_bwd(eps, residuals, d_out):
     rows = tuple(range(d_out.ndim - 1))
     d_weight = None if weight is None else jnp.sum(d_out * normalised, axis=rows)
     d_bias = None if has_bias is None else jnp.sum(d_out, axis=rows)
-    d_normalised = d_out if weight is None else d_out * weight
+    d_normalised = d_out if weight is None else d_out * jnp.broadcast_to(weight, d_out.shape)
     d_x = inverse * (
         d_normalised
         - jnp.mean(d_normalised, axis=-1, keepdims=True)
