@@ -178,3 +178,53 @@ def test_the_built_api_pages_show_every_argument():
             bad += [f"{rel}: {name}: {arg}" for arg in ARGUMENT.findall(section) if f"<code>{arg}</code>" not in html]
             bad += [f"{rel}: {name}: {m[0]}" for m in PLACEHOLDER.finditer(html) if m[0] in doc]
     assert not bad, "arguments missing from the built pages:\n" + "\n".join(bad)
+
+
+# A collective a recipe's comment places in a file of eqxpar is one that file calls.
+
+COLLECTIVE = re.compile(r"\b(psum_scatter|psum|pmean|pmax|all_gather|ppermute|all_to_all)\b")
+SOURCE_PATH = re.compile(r"\beqxpar/[\w/]+\.py\b")
+SENTENCE_END = re.compile(r"(?<=[.!?;])\s+(?=[A-Z`(])")
+
+
+def _prose(path: pathlib.Path) -> list[str]:
+    """A Python file's docstrings and comment blocks (consecutive `#` lines joined)."""
+    text = path.read_text()
+    blocks = [ast.get_docstring(node, clean=True) or "" for node in ast.walk(ast.parse(text))
+              if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))]
+    comment: list[str] = []
+    for line in [*text.splitlines(), ""]:
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            comment.append(stripped.lstrip("#").strip())
+        elif comment:
+            blocks.append(" ".join(comment))
+            comment = []
+    return blocks
+
+
+def misplaced_collectives(prose: str, root: pathlib.Path = ROOT) -> list[str]:
+    """`name in path` for each collective a sentence of `prose` names together with an
+    eqxpar source file none of whose named files calls it (`jax.lax.name(`)."""
+    bad = []
+    for sentence in SENTENCE_END.split(" ".join(prose.split())):
+        files = [root / p for p in SOURCE_PATH.findall(sentence)]
+        code = "".join(f.read_text() for f in files if f.exists())
+        for name in sorted(set(COLLECTIVE.findall(sentence)) if files else ()):
+            if f"lax.{name}(" not in code:
+                bad.append(f"{name} in {', '.join(SOURCE_PATH.findall(sentence))}")
+    return bad
+
+
+def test_a_collective_a_recipe_names_runs_where_it_says():
+    bad = [f"{path.name}: {hit}" for path in sorted((ROOT / "recipes").glob("*.py"))
+           for prose in _prose(path) for hit in misplaced_collectives(prose)]
+    assert not bad, "recipes' comments name a collective their file does not call:\n" + "\n".join(bad)
+
+
+def test_a_misplaced_collective_is_reported():
+    stale = ("the step's one `jax.lax.pmean` over the `data` axis (`per_device_gradients` in\n"
+             "`eqxpar/train/_gradients.py`) averages the gradients. Then psum.")
+    assert misplaced_collectives(stale) == ["pmean in eqxpar/train/_gradients.py"]
+    true = "one `jax.lax.psum` of each shard's share (in `eqxpar/train/_gradients.py`)"
+    assert misplaced_collectives(true) == []
