@@ -3,8 +3,12 @@
 before anything compiles."""
 
 import jax
+import optax
+import pytest
 from _recipes import run_recipe as _run_recipe
 
+import eqxpar
+import eqxpar.nn
 import eqxpar.recipe
 
 
@@ -67,3 +71,227 @@ def test_hybrid_gpt_recipe_runs_one_step(tmp_path, capsys):
     one = run_recipe("hybrid_gpt", tmp_path, *flags)
     assert one["steps"] == 1 and one["first_loss"] == one["final_loss"] and one["flops_per_second"] is None
     assert "speed not measured" in capsys.readouterr().out
+
+
+# -- 2. the mesh axes a model needs, named at the step builder and at the call -----------
+
+
+def compiles(fn) -> int:
+    """Run `fn`; return how many XLA compiles it caused (errors must come before any)."""
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())
+    logger = logging.getLogger("jax._src.dispatch")
+    logger.addHandler(handler)
+    try:
+        with jax.log_compiles(True):
+            fn()
+    finally:
+        logger.removeHandler(handler)
+    return sum("Finished XLA compilation" in m or "Compiling" in m for m in records)
+
+
+def refused(fn, *words):
+    """`fn()` raises a ValueError, before anything compiles, whose message holds `words`."""
+    caught = []
+
+    def run():
+        with pytest.raises(ValueError) as info:
+            fn()
+        caught.append(str(info.value))
+
+    assert compiles(run) == 0
+    for word in words:
+        assert word in caught[0], (word, caught[0])
+    return caught[0]
+
+
+def gpt(**options):
+    from eqxpar.models import GPT
+
+    return GPT(64, 16, 32, 4, 1, key=jax.random.key(0), **options)
+
+
+def gpt_loss(model, tokens, key):
+    from eqxpar.models import next_token_loss
+
+    return next_token_loss(model, tokens, key=key)
+
+
+@pytest.fixture(scope="module")
+def ring_gpt():
+    return gpt(attention_impl="ring")
+
+
+@pytest.fixture(scope="module")
+def sequence_parallel_gpt():
+    return gpt(sequence_parallel=True)
+
+
+def test_ring_gpt_on_a_mesh_without_a_context_axis(ring_gpt):
+    """Used to end in `NameError: unbound axis name: context` inside the step."""
+    from eqxpar.train import hybrid_step
+
+    step = hybrid_step(gpt_loss, optax.adam(1e-3), eqxpar.make_mesh(data=2, model=4), batch_axis="data")
+    refused(
+        lambda: step.init(ring_gpt),
+        "hybrid_step:", "blocks[0].attention", "attention_impl='ring'", "'context'",
+        "data=2, model=4", "context_axis='context'", "make_mesh(data=..., context=2",
+    )
+
+
+def test_ring_gpt_trained_without_context_axis(ring_gpt):
+    """The mesh has the context axis but the step splits no sequences: used to fail on
+    the sequence length or out_specs, not naming context_axis."""
+    from eqxpar.train import hybrid_step
+
+    mesh = eqxpar.make_mesh(data=2, context=2, model=2)
+    step = hybrid_step(gpt_loss, optax.adam(1e-3), mesh, batch_axis="data")
+    text = refused(lambda: step.init(ring_gpt), "splits no sequences", "context_axis='context'")
+    assert "make_mesh" not in text  # the mesh is fine
+    other = hybrid_step(gpt_loss, optax.adam(1e-3), eqxpar.make_mesh(data=2, seq=2, model=2), batch_axis="data",
+                        context_axis="seq")
+    refused(lambda: other.init(ring_gpt), "context_axis='seq'", "Build the step with context_axis='context'")
+
+
+def test_sequence_parallel_gpt_under_a_data_only_step(sequence_parallel_gpt):
+    """Used to end in `NameError: unbound axis name: model`."""
+    from eqxpar.train import data_parallel_step
+
+    step = data_parallel_step(gpt_loss, optax.adam(1e-3), eqxpar.make_mesh(data=8))
+    refused(
+        lambda: step.init(sequence_parallel_gpt),
+        "data_parallel_step:", "(GPT)", "model axis 'model'", "its axes: data=8", "model=1",
+    )
+
+
+def test_ring_attention_outside_shard_map():
+    q = jax.numpy.zeros((16, 2, 8))
+    for attend in (eqxpar.nn.ring_attention, eqxpar.nn.all_gather_attention):
+        refused(
+            lambda attend=attend: attend(q, q, q, axis_name="context", causal=True),
+            f"{attend.__name__}:", "outside shard_map", "'context'", "eqxpar.filter_shard_map",
+        )
+
+
+# -- 3. pipeline contracts, checked while tracing (before the scan or anything compiles) -----
+
+
+@pytest.fixture(scope="module")
+def pipeline_mesh():
+    return eqxpar.make_mesh(stage=2, data=2, model=1)
+
+
+def test_a_stage_layer_that_changes_the_activation_width(pipeline_mesh):
+    """Used to be the scan's `TypeError: scan body function carry input and carry output
+    must have equal types`."""
+    import equinox as eqx
+
+    from eqxpar.train import Stages, pipeline_step, shard_batch
+
+    class Widen(eqx.Module):
+        weight: jax.Array
+
+    model = {"layers": Widen(jax.numpy.ones((2, 4, 6))), "scale": jax.numpy.ones((4,))}
+    stages = Stages(
+        first=lambda m, b, k: b * m["scale"][None, :], layers=lambda m: m["layers"],
+        layer=lambda layer, x, k: x @ layer.weight, last=lambda m, x, b, k: jax.numpy.mean(x),
+    )
+    step = pipeline_step(stages, optax.sgd(0.1), pipeline_mesh, microbatches=2)
+    model, opt_state = step.init(model)
+    batch = shard_batch(jax.numpy.ones((8, 4)), pipeline_mesh, batch_axis="data")
+    refused(
+        lambda: step(model, opt_state, batch),
+        "Stages.layer changes the activation", "float32[2, 4]", "float32[2, 6]", "Stages.first or Stages.last",
+    )
+
+
+@pytest.fixture(scope="module")
+def pipeline_gpt(pipeline_mesh):
+    from eqxpar.models import GPT, gpt_stages
+    from eqxpar.train import pipeline_step
+
+    step = pipeline_step(gpt_stages(), optax.sgd(0.1), pipeline_mesh, microbatches=2)
+    model = GPT(16, 4, dim=8, num_heads=2, num_layers=2, scan_layers=True, pad_vocab_to_multiple_of=8,
+                key=jax.random.key(0))
+    return step, *step.init(model)
+
+
+def test_tokens_longer_than_the_context_through_a_pipeline(pipeline_mesh, pipeline_gpt):
+    """Used to be `Incompatible types for broadcasting` from the position embedding."""
+    from eqxpar.train import shard_batch
+
+    step, model, opt_state = pipeline_gpt
+    batch = shard_batch(jax.numpy.zeros((8, 9), jax.numpy.int32), pipeline_mesh, batch_axis="data")
+    refused(
+        lambda: step(model, opt_state, batch),
+        "8 tokens per sequence exceed context_length=4", "seq + 1 <= 5", "context_length >= 8",
+    )
+
+
+def test_pipeline_messages_speak_of_microbatches(pipeline_mesh):
+    from eqxpar.models import gpt_stages
+    from eqxpar.train import pipeline_step, shard_batch
+
+    step = pipeline_step(gpt_stages(), optax.sgd(0.1), pipeline_mesh, microbatches=3)
+    batch = shard_batch(jax.numpy.zeros((4, 5), jax.numpy.int32), pipeline_mesh, batch_axis="data")
+    from eqxpar.models import GPT
+
+    model = GPT(16, 4, dim=8, num_heads=2, num_layers=2, scan_layers=True, pad_vocab_to_multiple_of=8,
+                key=jax.random.key(0))
+    model, opt_state = step.init(model)
+    text = refused(lambda: step(model, opt_state, batch), "times microbatches=3 (= 6)", "multiple of 6")
+    assert "grad_accum" not in text
+
+
+# -- 4. an optimizer tree (a weight-decay mask) that does not fit the model, up front -------
+
+
+def mlp(depth):
+    import equinox as eqx
+
+    return eqx.nn.MLP(8, 8, 16, depth, key=jax.random.key(0))
+
+
+def weight_mask(model):
+    import equinox as eqx
+
+    return jax.tree.map(lambda x: x.ndim > 1, eqx.filter(model, eqx.is_inexact_array))
+
+
+@pytest.mark.parametrize(
+    "optimizer, path",
+    [
+        (optax.adamw(1e-3, mask=weight_mask(mlp(1))), "model.layers[2].weight has no entry in the mask"),
+        (optax.chain(optax.masked(optax.add_decayed_weights(1e-4), weight_mask(mlp(1))), optax.sgd(0.1)),
+         "model.layers[2].weight has no entry in the mask"),
+        (optax.adamw(1e-3, mask=lambda params: {"weights": True}), "model.layers[0].weight has no entry in the mask"),
+        (optax.adamw(1e-3, mask=weight_mask(mlp(3))), "the mask has an entry at .layers[3]"),
+    ],
+)
+def test_a_weight_decay_mask_for_another_model_under_fsdp(optimizer, path):
+    """Used to be `pytree structure error: different pytree metadata` after 7 compiles."""
+    from eqxpar.train import fsdp_step
+
+    def loss(model, batch, key):
+        return jax.numpy.mean(jax.vmap(model)(batch) ** 2)
+
+    step = fsdp_step(loss, optimizer, eqxpar.make_mesh(fsdp=8), batch_axis="fsdp")
+    model = mlp(2)  # its initialisation compiles; the refusal must not
+    refused(lambda: step.init(model), "fsdp_step:", "mask does not fit the model", path, "mask=lambda params:")
+
+
+def test_a_mask_that_fits_still_trains():
+    from eqxpar.train import fsdp_step
+
+    def loss(model, batch, key):
+        return jax.numpy.mean(jax.vmap(model)(batch) ** 2)
+
+    mesh = eqxpar.make_mesh(fsdp=8)
+    step = fsdp_step(loss, optax.adamw(1e-3, mask=weight_mask(mlp(2))), mesh, batch_axis="fsdp")
+    model, opt_state = step.init(mlp(2))
+    batch = eqxpar.shard(jax.numpy.ones((16, 8)), mesh, jax.sharding.PartitionSpec("fsdp"))
+    _, _, metrics = step(model, opt_state, batch)
+    assert float(metrics["loss"]) > 0

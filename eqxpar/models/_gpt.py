@@ -283,9 +283,16 @@ def embed_tokens(model: GPT, tokens, *, key, inference, rows=None, length=None):
     `rows`, `length`: this device's global positions of a sequence split over devices and
     the whole length (`None`: `tokens` holds whole sequences).
     """
+    length = tokens.shape[-1] if length is None else length
+    if length > model.context_length:  # the GPT's own call checks in _rows; gpt_stages' first here
+        raise ValueError(
+            f"GPT: {length} tokens per sequence exceed context_length={model.context_length} (the "
+            f"position embedding's rows). Pass sequences of at most {model.context_length} tokens "
+            f"(a training batch of (batch, seq + 1) token ids: seq + 1 <= {model.context_length + 1}), "
+            f"or build the GPT with context_length >= {length}."
+        )
     sequence_dim = -1 if model.sequence_parallel else None
     x = model.token_embedding(tokens, sequence_dim=sequence_dim)
-    length = tokens.shape[-1] if length is None else length
     positions = model.position_embedding.weight[:length]  # the rows a sequence reads
     x = x + jnp.broadcast_to(positions if rows is None else positions[rows], x.shape)
     # The same key on every device; a split sequence takes its rows of the whole mask.

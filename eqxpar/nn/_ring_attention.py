@@ -161,6 +161,22 @@ def _check_qkv(q, k, v, who: str) -> None:
         )
 
 
+def _check_bound(axis_name: str, who: str) -> None:
+    """`axis_name` must be bound (inside `shard_map` over a mesh with that axis): else a
+    ValueError saying so, instead of JAX's `NameError: unbound axis name` from deep inside."""
+    try:
+        jax.lax.axis_size(axis_name)
+    except NameError:
+        raise ValueError(
+            f"{who}: no mesh axis {axis_name!r} is bound here: it was called outside shard_map, or "
+            f"inside one over a mesh without a {axis_name!r} axis. It attends over a sequence split "
+            f"across that axis: call it inside eqxpar.filter_shard_map (or jax.shard_map) over a mesh "
+            f"with a {axis_name!r} axis (e.g. eqxpar.make_mesh({axis_name}=8)), passing each device's "
+            f"block of the sequence, or pass axis_name= the mesh's context axis. For whole sequences "
+            f"on one device use jax.nn.dot_product_attention."
+        ) from None
+
+
 def ring_attention(
     q: Float[Array, "*batch seq heads qk"],
     k: Float[Array, "*batch seq heads qk"],
@@ -200,6 +216,7 @@ def ring_attention(
     """
     _check_layout(layout, "ring_attention")
     _check_qkv(q, k, v, "ring_attention")
+    _check_bound(axis_name, "ring_attention")
     return _ring(q, k, v, axis_name, bool(causal), layout)
 
 
@@ -386,6 +403,7 @@ def all_gather_attention(
     """
     _check_layout(layout, "all_gather_attention")
     _check_qkv(q, k, v, "all_gather_attention")
+    _check_bound(axis_name, "all_gather_attention")
     local = q.shape[-3]
     seq_axis = q.ndim - 3
     size = jax.lax.axis_size(axis_name)

@@ -28,6 +28,7 @@ from ._checks import (
     check_batch_divides,
     check_batch_norms,
     check_builder,
+    check_model_axes,
     check_sequence_divides,
     context_split,
 )
@@ -74,6 +75,7 @@ def _build(
     share = 1.0 / (n_batch * n_context * grad_accum)
 
     def specs_for(model: PyTree) -> PyTree:
+        check_model_axes(model, mesh, who, context_axis)  # in init and while tracing: before any compile
         specs = full_specs(param_specs(model), model, mesh, what="param_specs")
         if not splits_batch_axis:
             for spec in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec)):

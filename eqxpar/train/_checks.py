@@ -12,6 +12,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, PyTree
 
 from .._specs import AxisNames, axis_names, check_axes, path_str
+from ..nn import TensorParallelLayer
 
 
 def check_builder(who: str, loss_fn: Any, optimizer: Any, mesh: Any, batch_axis: Any, grad_accum: Any, has_state: Any) -> int:
@@ -71,12 +72,16 @@ def global_batch_size(batch: PyTree, who: str) -> int:
     return next(iter(sizes.values()))
 
 
-def check_batch_divides(batch: PyTree, who: str, n_batch: int, grad_accum: int, batch_axis: Any) -> None:
+def check_batch_divides(
+    batch: PyTree, who: str, n_batch: int, grad_accum: int, batch_axis: Any, accum_name: str = "grad_accum"
+) -> None:
+    """The global batch splits into the batch shards times the micro-batches (`accum_name`:
+    the builder's own word for them, `grad_accum` or the pipeline's `microbatches`)."""
     size = global_batch_size(batch, who)
     if size % (n_batch * grad_accum):
         raise ValueError(
             f"{who}: the global batch size {size} is not divisible by the {n_batch} shards "
-            f"of batch axis {batch_axis!r} times grad_accum={grad_accum} (= "
+            f"of batch axis {batch_axis!r} times {accum_name}={grad_accum} (= "
             f"{n_batch * grad_accum}). Use a batch size that is a multiple of {n_batch * grad_accum}."
         )
 
@@ -146,3 +151,147 @@ def check_sequence_divides(batch: PyTree, who: str, n_context: int, context_axis
                 f"context_axis={context_axis!r} every batch array is (batch, seq, ...) with seq "
                 f"divisible by the {n_context} context shards."
             )
+
+
+def _mesh_axes_text(mesh: Mesh) -> str:
+    return ", ".join(f"{name}={size}" for name, size in mesh.shape.items()) or "none"
+
+
+def check_model_axes(model: PyTree, mesh: Mesh, who: str, context_axis: str | None) -> None:
+    """The mesh axes the model's layers name must exist, before anything traces: each
+    tensor-parallel layer's model axis must be on the mesh, and a context-parallel attention
+    (`attention_impl` `"ring"` or `"all_gather"`) needs the step to split every sequence over
+    its context axis (`context_axis=`). Else, inside the step, JAX's `NameError: unbound axis
+    name` (or an out_specs error) with no word of which layer or which fix."""
+    def layers(node, where):
+        yield where, node
+        for path, sub in jax.tree_util.tree_flatten_with_path(
+            node, is_leaf=lambda n: n is not node and isinstance(n, TensorParallelLayer)
+        )[0]:
+            if isinstance(sub, TensorParallelLayer):
+                yield from layers(sub, where + jax.tree_util.keystr(path))
+
+    top = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda n: isinstance(n, TensorParallelLayer))[0]
+    names = tuple(mesh.axis_names)
+    for path, layer in top:
+        if not isinstance(layer, TensorParallelLayer):
+            continue
+        for where, node in layers(layer, jax.tree_util.keystr(path)):
+            at = f"the {type(node).__name__} at model{where}" if where else f"the model ({type(node).__name__})"
+            axis = node.axis_name
+            if isinstance(axis, str) and axis not in names:
+                raise ValueError(
+                    f"{who}: {at} is split over the model axis {axis!r}, but the mesh has no "
+                    f"{axis!r} axis (its axes: {_mesh_axes_text(mesh)}). Add the axis to the mesh, "
+                    f"e.g. eqxpar.make_mesh(data=..., {axis}=1) (size 1 runs the layer densely; "
+                    f"larger splits it: train with eqxpar.train.hybrid_step or fsdp_step), or build "
+                    f"the model with axis_name= one of the mesh's axes."
+                )
+            impl = getattr(node, "attention_impl", None)
+            ring = getattr(node, "context_axis", None)
+            if impl not in ("ring", "all_gather") or not isinstance(ring, str) or ring == context_axis:
+                continue
+            why = (
+                f"{who}: {at} has attention_impl={impl!r}, which attends over sequences split "
+                f"over the mesh axis {ring!r} (context parallelism), "
+            )
+            if context_axis is not None:
+                raise ValueError(
+                    f"{why}but the step splits them over context_axis={context_axis!r}. Build the "
+                    f"step with context_axis={ring!r}, or the attention with context_axis={context_axis!r}."
+                )
+            on_mesh = (
+                "" if ring in names
+                else f" on a mesh with that axis (the mesh's axes: {_mesh_axes_text(mesh)}; e.g. "
+                f"eqxpar.make_mesh(data=..., {ring}=2, ...))"
+            )
+            raise ValueError(
+                f"{why}but the step splits no sequences. Build the step with context_axis={ring!r}"
+                f"{on_mesh}, or the model with attention_impl='dot_product' to keep whole "
+                f"sequences on each device."
+            )
+
+
+def _closure_masks(fn: Any, seen: set, depth: int = 0) -> list:
+    """The `mask` arguments of the optax.masked transformations (optax.adamw(mask=...),
+    optax.masked(...)) inside an optimizer's `init`, found through the closures."""
+    if depth > 12 or id(fn) in seen:
+        return []
+    seen.add(id(fn))
+    if hasattr(fn, "init") and hasattr(fn, "update") and not inspect.isfunction(fn):
+        return _closure_masks(fn.init, seen, depth + 1)
+    if isinstance(fn, (tuple, list)):
+        return [m for f in fn for m in _closure_masks(f, seen, depth + 1)]
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    if code is None or not cells:
+        return []
+    found = []
+    for name, cell in zip(code.co_freevars, cells):
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if name == "mask" and value is not None:
+            found.append(value)
+        elif callable(value) or isinstance(value, (tuple, list)):
+            found.extend(_closure_masks(value, seen, depth + 1))
+    return found
+
+
+def _mask_mismatch(mask: PyTree, params: PyTree) -> str | None:
+    """Where a mask (the params' structure, or a prefix of it) does not fit `params`."""
+    mask_paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(mask)[0]]
+    param_paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+
+    def covered(path) -> bool:
+        return any(path[: len(m)] == m for m in mask_paths)
+
+    for path in param_paths:
+        if not covered(path):
+            return f"the model's parameter model{path_str(path)} has no entry in the mask"
+    for m in mask_paths:
+        if not any(p[: len(m)] == m for p in param_paths):
+            return f"the mask has an entry at {path_str(m)}, where the model has no parameter"
+    if jax.tree.structure(mask) != jax.tree.structure(params):
+        try:
+            jax.tree.map(lambda _m, _p: None, mask, params)
+        except (ValueError, TypeError) as error:
+            first = str(error).strip().splitlines()[0]
+            return f"the mask's structure differs from the model's ({first} ...)"
+    return None
+
+
+def check_optimizer_fits(who: str, optimizer: Any, model: PyTree) -> None:
+    """`optimizer.init` must accept the model's parameters, checked abstractly (nothing
+    compiles): a weight-decay mask (`optax.adamw(mask=...)`, `optax.masked`) made for
+    another model would otherwise fail with a bare pytree error after the model was
+    placed and compiled pieces of it."""
+    params = eqx.filter(model, eqx.is_inexact_array)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    try:
+        jax.eval_shape(optimizer.init, abstract)
+    except (ValueError, TypeError) as error:
+        fix = (
+            "Build the mask from the parameters the step trains, e.g. "
+            "optax.adamw(lr, mask=lambda params: jax.tree.map(lambda x: x.ndim > 1, params)) "
+            "(a function of the parameters always fits), or a tree made from "
+            "eqx.filter(model, eqx.is_inexact_array) of this model."
+        )
+        for mask in _closure_masks(optimizer, set()):
+            leaves = jax.tree.leaves(jax.tree.map(callable, mask))
+            tree = mask(abstract) if leaves and all(leaves) else mask  # as optax.masked decides
+            where = _mask_mismatch(tree, abstract)
+            if where is not None:
+                raise ValueError(
+                    f"{who}: the optimizer's weight-decay mask does not fit the model: {where}. "
+                    f"A mask must have the structure of the model's floating-point parameters "
+                    f"(eqx.filter(model, eqx.is_inexact_array)) or a prefix of it. {fix}"
+                ) from None
+        first = str(error).strip().splitlines()[0]
+        raise ValueError(
+            f"{who}: optimizer.init fails on the model's parameters (eqx.filter(model, "
+            f"eqx.is_inexact_array)), so the optimizer does not fit this model: "
+            f"{type(error).__name__}: {first}. Any tree the optimizer was built with (a mask, "
+            f"per-parameter learning rates, optax.multi_transform labels) must have the "
+            f"parameters' structure. {fix}"
+        ) from error

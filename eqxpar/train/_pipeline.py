@@ -211,7 +211,7 @@ def pipeline_step(
 
     def step(batch_and_key, model, state, opt_state):
         batch, key = batch_and_key
-        check_batch_divides(batch, who, n_batch, microbatches, batch_axis)
+        check_batch_divides(batch, who, n_batch, microbatches, batch_axis, accum_name="microbatches")
         specs = specs_for(model)
         L = stages.num_layers(model)
         mask = _layer_mask(stages, model)

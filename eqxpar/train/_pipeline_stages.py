@@ -37,7 +37,7 @@ def _check_same_activation(x: PyTree, out: PyTree) -> None:
     """A stacked layer must return the activation it takes, in shape and dtype: the layers
     are scanned, and the pipeline sends `x` from stage to stage in a buffer of that shape."""
     same = jax.tree.structure(x) == jax.tree.structure(out) and all(
-        getattr(a, "shape", None) == getattr(b, "shape", None) and getattr(a, "dtype", None) == getattr(b, "dtype", None)
+        (getattr(a, "shape", None), getattr(a, "dtype", None)) == (getattr(b, "shape", None), getattr(b, "dtype", None))
         for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(out))
     )
     if not same:

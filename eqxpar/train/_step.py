@@ -14,6 +14,7 @@ from jaxtyping import PyTree
 
 from .._sharding import shard
 from .._specs import path_str
+from ._checks import check_optimizer_fits
 from ._placement import optimizer_specs
 from ._saved import recording_saved_activations
 
@@ -119,6 +120,7 @@ class TrainStep:
         whole on one device) split like the parameters it belongs to, the state copied.
         """
         specs = self._specs_for(model)
+        check_optimizer_fits(self._who, self._optimizer, model)  # before anything is placed or compiled
         model = shard(model, self.mesh, specs)
         params = eqx.filter(model, eqx.is_inexact_array)
         abstract = jax.eval_shape(self._optimizer.init, params)
