@@ -64,7 +64,7 @@ def _fit_problem(style: str, node: Any) -> str | None:
         "vocab": eqx.nn.Embedding, "mlp": eqx.nn.MLP, "attention": eqx.nn.MultiheadAttention,
     }[style]
     if not isinstance(node, wanted):
-        return f"style {style!r} takes an {STYLES[style][0]}"
+        return f"style {style!r} takes an {STYLES[style].takes}"
     if isinstance(node, eqx.nn.Linear) and "scalar" in (node.in_features, node.out_features):
         return "a Linear with a 'scalar' input or output has nothing to split"
     if isinstance(node, eqx.nn.MLP):
@@ -124,7 +124,7 @@ def _explicit_styles(plan: Mapping, model: Any, nodes: list) -> tuple[dict, set]
                 )
             under = [u for u in unit_paths if u[: len(p)] == p and u != p]
             if style != "replicate" or not under:
-                why = f"style {style!r} takes an {STYLES[style][0]}" if under else "it is not a layer"
+                why = f"style {style!r} takes an {STYLES[style].takes}" if under else "it is not a layer"
                 fits = [path_text(u) for u in under if _fit_problem(style, by_path[u]) is None]
                 hint = f" Name the layers themselves, e.g. '{fits[0]}'." if fits else ""
                 raise ValueError(
@@ -276,8 +276,8 @@ def parallelize(
         split = f"{what}={n}" + ("" if size is None else f" -> {n // size} per device")
         if style == "column" and p == last:
             note = f"output stays split over {axis_name!r}: take the loss with eqxpar.nn.vocab_parallel_cross_entropy"
-        _, fwd, bwd, _ = STYLES[style]
-        rows.append(PlanRow(where, describe(node), style, split, fwd, bwd, note))
+        rows.append(PlanRow(where, describe(node), style, split, STYLES[style].text("forward"),
+                            STYLES[style].text("backward"), note))
         new[p] = layer
 
     model = _replace(model, new)

@@ -19,17 +19,36 @@ import jax
 
 from ._base import TensorParallelLayer
 
-__all__ = ["Plan", "PlanRow", "STYLES"]
+__all__ = ["Plan", "PlanRow", "STYLES", "Style"]
 
-# style -> (the dense layer it takes, forward collective, backward collective, what it does)
-STYLES: dict[str, tuple[str, str, str, str]] = {
-    "column": ("eqx.nn.Linear", "none", "all-reduce", "output features split; output stays split"),
-    "column_gathered": ("eqx.nn.Linear", "all-gather", "all-reduce", "output features split, then gathered"),
-    "row": ("eqx.nn.Linear", "all-reduce", "none", "input features split (input from a 'column')"),
-    "vocab": ("eqx.nn.Embedding", "all-reduce", "none", "vocabulary rows split"),
-    "mlp": ("eqx.nn.MLP (depth=1)", "all-reduce", "all-reduce", "hidden units split"),
-    "attention": ("eqx.nn.MultiheadAttention", "all-reduce", "all-reduce", "heads split"),
-    "replicate": ("any layer", "none", "none", "a whole copy on every device"),
+
+@dataclasses.dataclass(frozen=True)
+class Style:
+    """A `parallelize` style: the dense layer it takes, what it does, and the collectives
+    (kinds as [`eqxpar.inspect.COLLECTIVE_KINDS`][] spells them) it runs over the model
+    axis: `forward` in the forward pass, `backward` what the backward pass adds (the
+    gradient of a differentiated input). `tests/test_parallelize_styles.py` compiles each
+    style's layer and checks its collectives against these."""
+
+    takes: str
+    forward: tuple[str, ...]
+    backward: tuple[str, ...]
+    does: str
+
+    def text(self, direction: str) -> str:
+        """`"all-reduce"`, or `"none"`, for the `"forward"` or `"backward"` column of a table."""
+        return " + ".join(getattr(self, direction)) or "none"
+
+
+# Every style, in the order the tables list them.
+STYLES: dict[str, Style] = {
+    "column": Style("eqx.nn.Linear", (), ("all-reduce",), "output features split; output stays split"),
+    "column_gathered": Style("eqx.nn.Linear", ("all-gather",), ("all-reduce",), "output features split, then gathered"),
+    "row": Style("eqx.nn.Linear", ("all-reduce",), (), "input features split (input from a 'column')"),
+    "vocab": Style("eqx.nn.Embedding", ("all-reduce",), (), "vocabulary rows split"),
+    "mlp": Style("eqx.nn.MLP (depth=1)", ("all-reduce",), ("all-reduce",), "hidden units split"),
+    "attention": Style("eqx.nn.MultiheadAttention", ("all-reduce",), ("all-reduce",), "heads split"),
+    "replicate": Style("any layer", (), (), "a whole copy on every device"),
 }
 
 # Layers that `parallelize` treats as one unit (never looks inside unless a plan entry does).
