@@ -14,6 +14,8 @@ see [`eqxpar.models.next_token_loss`][]), so a data axis can be added around it.
 `sequence_parallel=True` its residual stream is split along the sequence over the model
 axis as well (Megatron sequence parallelism); with `attention_impl="ring"` or
 `"all_gather"` every sequence is split over a `context` axis (context parallelism).
+[`eqxpar.models.gpt_stages`][] cuts it into the parts [`eqxpar.train.pipeline_step`][]
+runs (the model states how it is pipelined; `eqxpar.train` names no model).
 """
 
 from ._block import REMAT_CHOICES, TransformerBlock, remat_wrapper, sequence_dropout
