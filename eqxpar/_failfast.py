@@ -199,8 +199,28 @@ class _FailFast:
 
     # --- another process failed ----------------------------------------------------------------
 
+    def fail_stalled(self, reason: str) -> None:
+        """eqxpar's progress watchdog found no step finished in time: record it, end now."""
+        with self.lock:
+            ok, earlier = _bounded(lambda: self._record(reason), 5.0)
+            if ok and earlier:
+                self._say(f"{self.tag} stops because {earlier}. Exiting with status {EXIT_PEER_FAILED}.")
+                os._exit(EXIT_PEER_FAILED)
+            self._say(f"{self.tag} failed: {reason}. Ending the whole job: the other processes print "
+                      f"their stacks and stop too.")
+            # Every process, not only 0: the others print where they wait before our exit
+            # breaks their collectives (which would move their main threads elsewhere).
+            self._wait_until_seen(5.0)
+            _flush()
+            os._exit(1)
+
     def _peer_failed(self, message: str) -> None:
         with self.lock:
+            # Here, not at the top: _watchdog imports this module (it records stalls through it).
+            from ._watchdog import STALL_MARK, dump_stacks
+
+            if STALL_MARK in message:  # a stalled job: where this process waits matters too
+                dump_stacks(self.tag)
             _bounded(lambda: self.client.key_value_set(f"{_SEEN_DIR}{self.pid}", "1"), 2.0)
             self._say(f"{self.tag} stops because {message}. Exiting with status {EXIT_PEER_FAILED}.")
             os._exit(EXIT_PEER_FAILED)

@@ -41,6 +41,7 @@ from ._compat import backends_started, distributed_client
 from ._failfast import EXIT_PEER_FAILED, install_fail_fast
 from ._mesh import simulate_cpu_devices
 from ._runtime import bind_address, check_port_free, connect, split_address, wait_for_coordinator
+from ._watchdog import Watchdog
 
 __all__ = [
     "initialize",
@@ -52,6 +53,7 @@ __all__ = [
     "ENV_PROCESS_ID",
     "ENV_DEVICES_PER_PROCESS",
     "EXIT_PEER_FAILED",
+    "Watchdog",
 ]
 
 # The launcher's interface: `eqxpar.launch` sets these for every process it starts.

@@ -14,6 +14,9 @@ runs one cross-process collective and prints `ready`. Then, by MODE:
   enter the collective. Only the finish timeout (`shutdown_timeout_s`, 10 s here) can tell;
 - `exit3`: the failing rank leaves with `sys.exit(3)` while the others enter the collective:
   a failing exit status, which ends the job at once with that status;
+- `hang`: every rank loops over steps (one collective each) under eqxpar's progress
+  watchdog (`eqxpar.distributed.Watchdog(10)`); after step 3 the failing rank sleeps for
+  ever instead of joining the next collective, without failing: only the watchdog can tell;
 - `late`: every other rank reaches the end of the script; the failing rank raises 2 s later;
 - `stall`: the "failing" rank sleeps instead of joining the next collective, so the others
   block in it (for the Ctrl-C test).
@@ -59,6 +62,14 @@ if mode == "late":
         out_of_data()
     print("finished", flush=True)
     sys.exit(0)
+if mode == "hang":
+    watchdog = eqxpar.distributed.Watchdog(10)
+    for step in range(10**9):
+        if info.process_id == failing and step == 3:
+            print("stalling", flush=True)
+            time.sleep(3600)
+        multihost_utils.sync_global_devices(f"step {step}")
+        watchdog.step_finished(step)
 step = 0
 while True:  # every other rank: collectives the failed rank never joins
     multihost_utils.sync_global_devices(f"step {step}")

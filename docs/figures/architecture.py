@@ -42,6 +42,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "eqxpar.checkpoint",
             "eqxpar._runtime",
             "eqxpar._failfast",
+            "eqxpar._watchdog",
             "eqxpar.distributed",
             "eqxpar.launch",
             "eqxpar.datasets",

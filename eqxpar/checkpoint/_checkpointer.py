@@ -15,7 +15,7 @@ from . import _folder
 from ._config import FLAGS, LIBRARY, as_json, check_folder, recipe_settings
 from ._folder import CONFIG, DATA, FORMAT, META, STATE
 from ._leaves import json_text, saved_arrays
-from ._preemption import preempted, stop_after_save, unwatch_preemption, watch_preemption
+from ._preemption import StepWatch, stop_after_save
 from ._restore import Restored, candidates, read_newest, target
 
 __all__ = ["Checkpointer"]
@@ -97,6 +97,9 @@ class Checkpointer:
       [`eqxpar.checkpoint.Preempted`][] (a `SystemExit`, status 143). Call `maybe_save`
       after every step. One process: replaces SIGTERM's default action until `close` (see
       `eqxpar/checkpoint/_preemption.py`). `from_config` turns it on.
+    - `watchdog_s`: run a [`eqxpar.distributed.Watchdog`][] that counts `maybe_save` calls
+      as finished steps: with none for this long, every process prints its stacks and the
+      job ends. `None` (default): none; `from_config` takes `--watchdog-s`.
 
     **Raises:**
 
@@ -120,6 +123,7 @@ class Checkpointer:
         free_fields: Sequence[str] = (),
         verbose: bool = False,
         save_on_preemption: bool = False,
+        watchdog_s: float | None = None,
     ):
         for name, value in (("keep", keep), ("save_every", save_every)):
             if (value is not None or name != "keep") and (
@@ -145,14 +149,13 @@ class Checkpointer:
         self._manager = None  # orbax's CheckpointManager, opened at the first save or restore
         self._unreadable: list[int] = []  # steps restore skipped; removed before the next save
         self._closed = False
-        self._on_preemption = bool(save_on_preemption) and self.directory is not None
-        if self._on_preemption:
-            watch_preemption()
         if self.directory is not None:
             check_folder(
                 self.directory, resume=self.resume, config=self._config, shape_fields=self._shape_fields,
                 free_fields=self._free_fields, spelling=self._spelling,
             )
+        # Last, once nothing can raise: it may start a thread and take over SIGTERM.
+        self._watch = StepWatch(bool(save_on_preemption) and self.enabled, watchdog_s)
 
     @classmethod
     def from_config(cls, cfg: Any, *, shape_fields: Sequence[str] = (), keep: int | None = 3) -> Checkpointer:
@@ -275,14 +278,14 @@ class Checkpointer:
         """
         self._check_open()
         step = _check_int(step, "maybe_save: step")
-        stop = self._on_preemption and preempted(step)  # every process, every step
+        stop = self._watch.step(step)  # every process, every step
         if not self.enabled or (not force and not stop and step % self.save_every):
             return False
         data_text = json_text(data_state)
         arrays, described = saved_arrays(state)
         manager = self._open()
         self._drop_unreadable()
-        self._check_free(step)
+        _folder.check_free(self.directory, step)
         # orbax is an optional extra: it (and ._orbax) loads on first use, not at import.
         import orbax.checkpoint as ocp
 
@@ -304,9 +307,6 @@ class Checkpointer:
             raise stop_after_save(step, _folder.step_dir(self.directory, step), hint,
                                   lambda line: print(line, flush=True))
         return True
-
-    def _check_free(self, step: int) -> None:
-        _folder.check_free(self.directory, step)
 
     def _drop_unreadable(self) -> None:
         for step in self._unreadable:
@@ -407,8 +407,7 @@ class Checkpointer:
                 self._manager.wait_until_finished()
                 self._manager.close()
             self._closed = True
-            if self._on_preemption:  # SIGTERM's previous handler back, once no one watches
-                unwatch_preemption()
+            self._watch.close()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -22,7 +22,7 @@ __all__ = [
 # long to train, where to write, how to checkpoint, and the layout (a checkpoint restores
 # onto any mesh).
 RECIPE_FREE_FIELDS = (
-    "steps", "metrics_out", "devices", "mesh", "checkpoint_dir", "checkpoint_every", "resume",
+    "steps", "metrics_out", "devices", "mesh", "checkpoint_dir", "checkpoint_every", "resume", "watchdog_s",
 )
 
 
@@ -176,6 +176,9 @@ def recipe_settings(cfg: Any) -> dict[str, Any]:
         )
     if cfg.resume and not cfg.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint-dir DIR: the folder to resume from.")
+    watchdog = getattr(cfg, "watchdog_s", None)
+    if watchdog is not None and (isinstance(watchdog, bool) or not isinstance(watchdog, (int, float)) or watchdog < 0):
+        raise ValueError(f"--watchdog-s must be a number of seconds (0: no watchdog), got {watchdog}.")
     every = cfg.checkpoint_every
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
         raise ValueError(f"--checkpoint-every must be a positive number of steps, got {every}.")
@@ -185,4 +188,5 @@ def recipe_settings(cfg: Any) -> dict[str, Any]:
         "resume": bool(cfg.resume),
         "config": cfg,
         "free_fields": [f for f in RECIPE_FREE_FIELDS if hasattr(cfg, f)],
+        "watchdog_s": watchdog or None,
     }

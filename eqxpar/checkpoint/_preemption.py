@@ -25,11 +25,14 @@ import signal
 import threading
 from typing import Any
 
+import jax
+
 from .._compat import distributed_client
 from .._failfast import EXIT_PREEMPTED
+from .._watchdog import Watchdog
 
 __all__ = ["Preempted", "EXIT_PREEMPTED", "watch_preemption", "unwatch_preemption", "preempted",
-           "stop_after_save"]
+           "stop_after_save", "StepWatch"]
 
 _flag = threading.Event()  # a SIGTERM arrived (one-process runs)
 _watching: list[Any] = []  # one entry per watcher; the first holds SIGTERM's previous handler
@@ -93,8 +96,6 @@ def preempted(step: int) -> bool:
 
 def stop_after_save(step: int, path: str, resume_hint: str, say: Any) -> Preempted:
     """The line saying where to resume (process 0), and the exception that stops the run."""
-    import jax
-
     if jax.process_index() == 0:
         say(
             f"eqxpar.checkpoint: preempted (SIGTERM): saved checkpoint {path} at step {step} "
@@ -102,3 +103,28 @@ def stop_after_save(step: int, path: str, resume_hint: str, say: Any) -> Preempt
             f"with {resume_hint}."
         )
     return Preempted(step, path)
+
+
+class StepWatch:
+    """What `Checkpointer.maybe_save` does first at every step: report the step to the
+    progress watchdog (`watchdog_s`, see `eqxpar/_watchdog.py`) and ask whether a
+    preemption notice says to save it and stop (`preemption`)."""
+
+    def __init__(self, preemption: bool, watchdog_s: float | None):
+        self.preemption = preemption
+        self.watchdog = None if watchdog_s is None else Watchdog(watchdog_s)
+        if preemption:
+            watch_preemption()
+
+    def step(self, step: int) -> bool:
+        """Whether to save `step` and stop (every process, every step)."""
+        if self.watchdog is not None:
+            self.watchdog.step_finished(step)
+        return self.preemption and preempted(step)
+
+    def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
+        if self.preemption:  # SIGTERM's previous handler back, once no one watches
+            unwatch_preemption()
+            self.preemption = False

@@ -217,17 +217,22 @@ class CheckpointFlags:
         ...
     ```
 
-    gives the recipe `--checkpoint-dir DIR`, `--checkpoint-every N` and `--resume`, which
-    [`eqxpar.checkpoint.Checkpointer.from_config`][] reads:
+    gives the recipe `--checkpoint-dir DIR`, `--checkpoint-every N`, `--resume` and
+    `--watchdog-s S`, which [`eqxpar.checkpoint.Checkpointer.from_config`][] reads:
 
     - `--checkpoint-dir DIR`: save the training state in `DIR` (default: no checkpoints).
     - `--checkpoint-every N`: every `N` steps, and at the last step (default 100).
     - `--resume`: continue from the newest complete checkpoint in `DIR`; start fresh when
       there is none. Without it, a `DIR` that holds checkpoints is an error (nothing is
-      overwritten).
+      overwritten). On SIGTERM a run with `DIR` saves its current step and stops (status
+      143); `--resume` continues it.
+    - `--watchdog-s S`: when no training step finishes for `S` seconds (the first one's
+      compilation included), every process prints its Python stacks and the job ends
+      (default 900; 0 turns it off). See [`eqxpar.distributed.Watchdog`][].
     """
 
     # The comments are the flags' --help text (eqxpar.recipe.parse_flags reads them).
     checkpoint_dir: str | None = None  # save checkpoints of the training state in this folder
     checkpoint_every: int = 100  # save a checkpoint every N steps (and at the last step)
     resume: bool = False  # continue from the newest checkpoint in --checkpoint-dir (start fresh if there is none)
+    watchdog_s: float = 900.0  # end the job, printing every process's stacks, when no step ends for this long (0: off)
