@@ -42,8 +42,12 @@ NOT_NAMES = ("eqxpar.github",)
 def _texts() -> list[tuple[str, str]]:
     """(where, text) for every page, recipe, top-level document and eqxpar docstring."""
     out = []
-    for path in [*sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "recipes").glob("*.py")),
-                 ROOT / "README.md", ROOT / "CONTRIBUTING.md"]:
+    for path in [
+        *sorted((ROOT / "docs").rglob("*.md")),
+        *sorted((ROOT / "recipes").glob("*.py")),
+        ROOT / "README.md",
+        ROOT / "CONTRIBUTING.md",
+    ]:
         if path.exists():
             out.append((str(path.relative_to(ROOT)), path.read_text()))
     out.extend(_docstrings())
@@ -190,8 +194,11 @@ SENTENCE_END = re.compile(r"(?<=[.!?;])\s+(?=[A-Z`(])")
 def _prose(path: pathlib.Path) -> list[str]:
     """A Python file's docstrings and comment blocks (consecutive `#` lines joined)."""
     text = path.read_text()
-    blocks = [ast.get_docstring(node, clean=True) or "" for node in ast.walk(ast.parse(text))
-              if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))]
+    blocks = [
+        ast.get_docstring(node, clean=True) or ""
+        for node in ast.walk(ast.parse(text))
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
+    ]
     comment: list[str] = []
     for line in [*text.splitlines(), ""]:
         stripped = line.strip()
@@ -217,14 +224,20 @@ def misplaced_collectives(prose: str, root: pathlib.Path = ROOT) -> list[str]:
 
 
 def test_a_collective_a_recipe_names_runs_where_it_says():
-    bad = [f"{path.name}: {hit}" for path in sorted((ROOT / "recipes").glob("*.py"))
-           for prose in _prose(path) for hit in misplaced_collectives(prose)]
+    bad = [
+        f"{path.name}: {hit}"
+        for path in sorted((ROOT / "recipes").glob("*.py"))
+        for prose in _prose(path)
+        for hit in misplaced_collectives(prose)
+    ]
     assert not bad, "recipes' comments name a collective their file does not call:\n" + "\n".join(bad)
 
 
 def test_a_misplaced_collective_is_reported():
-    stale = ("the step's one `jax.lax.pmean` over the `data` axis (`per_device_gradients` in\n"
-             "`eqxpar/train/_gradients.py`) averages the gradients. Then psum.")
+    stale = (
+        "the step's one `jax.lax.pmean` over the `data` axis (`per_device_gradients` in\n"
+        "`eqxpar/train/_gradients.py`) averages the gradients. Then psum."
+    )
     assert misplaced_collectives(stale) == ["pmean in eqxpar/train/_gradients.py"]
     true = "one `jax.lax.psum` of each shard's share (in `eqxpar/train/_gradients.py`)"
     assert misplaced_collectives(true) == []

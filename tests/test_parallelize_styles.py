@@ -68,7 +68,9 @@ def measured(style: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     call = (lambda layer, x: layer(x, x, x)) if style == "attention" else (lambda layer, x: layer(x))
     forward = eqxpar.filter_shard_map(
         lambda layer, x: jax.vmap(call, in_axes=(None, 0))(layer, x),
-        mesh=mesh, in_specs=(specs, x_spec), out_specs=out_spec,
+        mesh=mesh,
+        in_specs=(specs, x_spec),
+        out_specs=out_spec,
     )
     placed = eqxpar.shard(layer, mesh, specs)
     x = eqxpar.shard(x, mesh, x_spec)
@@ -111,4 +113,3 @@ def test_the_docstring_table_is_the_styles_table():
     doc = nn.parallelize.__doc__
     found = dict(re.findall(r'^\s*\| `"(\w+)"` \|.*\| ([\w-]+ / [\w-]+) \|\s*$', doc, re.M))
     assert found == {name: f"{s.text('forward')} / {s.text('backward')}" for name, s in STYLES.items()}
-
