@@ -13,7 +13,7 @@ import eqxpar
 eqxpar.simulate_cpu_devices(8)
 
 import jax  # noqa: E402
-from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 
 # The library must not lean on implicit dtype promotion or rank broadcasting: under these
 # settings a mixed-dtype op (float32 + bfloat16, int32 + float32 arrays) or an implicit
@@ -30,6 +30,10 @@ settings.register_profile(
     max_examples=4,
     deadline=None,
     derandomize=True,
+    # No shrinking: a failing example is printed as drawn. Most properties compile a program
+    # per example, so shrinking one failure took 3-5 minutes; the draw (and the pinned
+    # @examples) already name a small case. `thorough` still shrinks.
+    phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target),
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     print_blob=True,
 )
