@@ -83,20 +83,27 @@ def missing_paths(text: str, root: pathlib.Path = ROOT) -> list[str]:
     return bad
 
 
-def _resolves(name: str) -> bool:
+def lookup(name: str):
+    """The object a dotted name names: its longest importable module prefix, then attributes
+    (`AttributeError` or `ImportError` if there is none)."""
     parts = name.split(".")
     for i in range(len(parts), 0, -1):
         try:
             obj = importlib.import_module(".".join(parts[:i]))
         except ImportError:
             continue
-        try:
-            for attr in parts[i:]:
-                obj = getattr(obj, attr)
-        except AttributeError:
-            return False
-        return True
-    return False
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(name)
+
+
+def _resolves(name: str) -> bool:
+    try:
+        lookup(name)
+    except (AttributeError, ImportError):
+        return False
+    return True
 
 
 def missing_names(text: str) -> list[str]:
@@ -176,8 +183,7 @@ def test_the_built_api_pages_show_every_argument():
             continue
         html = html_path.read_text()
         for name in names:
-            module, _, attr = name.rpartition(".")
-            doc = getattr(importlib.import_module(module), attr).__doc__ or ""
+            doc = lookup(name).__doc__ or ""
             section = doc.split("**Arguments:**", 1)[1].split("**", 1)[0] if "**Arguments:**" in doc else ""
             bad += [f"{rel}: {name}: {arg}" for arg in ARGUMENT.findall(section) if f"<code>{arg}</code>" not in html]
             bad += [f"{rel}: {name}: {m[0]}" for m in PLACEHOLDER.finditer(html) if m[0] in doc]
