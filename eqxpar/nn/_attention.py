@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
+from .._dtypes import at_least_float32
 from ._base import TensorParallelLayer, gather_sequence, skeleton, to_varying
 from ._linear import ColumnParallelLinear, RowParallelLinear
 from ._ring_attention import LAYOUTS, all_gather_attention, ring_attention
@@ -353,7 +354,7 @@ def reference_attention(q, k, v, mask, dropout: eqx.nn.Dropout, keys, inference)
     logits = jnp.einsum("...qhd,...khd->...hqk", q / math.sqrt(q.shape[-1]), k)
     if mask is not None:
         logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
-    dtype = jnp.promote_types(logits.dtype, jnp.float32)
+    dtype = at_least_float32(logits.dtype)
     weights = jax.nn.softmax(logits.astype(dtype), axis=-1).astype(logits.dtype)
     head_axis = weights.ndim - 3
     if keys is None:

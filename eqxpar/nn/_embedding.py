@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from .._dtypes import at_least_float32
 from ._base import TensorParallelLayer, scatter_sequence
 
 __all__ = ["VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
@@ -200,7 +201,7 @@ def vocab_parallel_cross_entropy(
         # The softmax statistics in float32 at least, whatever the logits' dtype (bfloat16
         # under mixed precision): a sum of exponentials over the vocabulary in bfloat16
         # would lose the loss's third significant digit.
-        logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+        logits = logits.astype(at_least_float32(logits.dtype))
         # 1. The global max over the vocabulary: one all-reduce (max).
         local_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
         global_max = jax.lax.pmax(local_max, axis_name)

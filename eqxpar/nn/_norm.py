@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from .._dtypes import at_least_float32
 from .._shard_map import varying_axes
 from ._base import to_varying
 
@@ -51,7 +52,7 @@ def layer_norm(norm: eqx.nn.LayerNorm, x: Float[Array, "*batch dim"]) -> Float[A
     with jax.named_scope("LayerNorm"):
         if x.shape[-1:] != tuple(norm.shape):
             raise ValueError(f"layer_norm: the norm's shape is {norm.shape}, but x has shape {x.shape}.")
-        dtype = jnp.result_type(x.dtype, jnp.float32)
+        dtype = at_least_float32(x.dtype)
         weight = _as(norm.weight, dtype) if norm.use_weight else None
         bias = _as(norm.bias, dtype) if norm.use_bias else None
         # Inside shard_map, parameters the same on every device meet an `x` that differs
