@@ -295,3 +295,85 @@ def test_a_mask_that_fits_still_trains():
     batch = eqxpar.shard(jax.numpy.ones((16, 8)), mesh, jax.sharding.PartitionSpec("fsdp"))
     _, _, metrics = step(model, opt_state, batch)
     assert float(metrics["loss"]) > 0
+
+
+# -- 5. StackedLayers of layers that differ: which layer, which leaf, which shapes -----------
+
+
+@pytest.fixture(scope="module")
+def linears():
+    import equinox as eqx
+
+    key = jax.random.key(0)
+    return {
+        "4x4": eqx.nn.Linear(4, 4, key=key),
+        "4x5": eqx.nn.Linear(4, 5, key=key),
+        "no bias": eqx.nn.Linear(4, 4, use_bias=False, key=key),
+        "float16": eqx.nn.Linear(4, 4, key=key, dtype=jax.numpy.float16),
+    }
+
+
+@pytest.mark.parametrize(
+    "other, words",
+    [
+        ("4x5", ("layer 2 differs from layer 0", ".weight is float32[5, 4], layer 0's float32[4, 4]")),
+        ("no bias", ("layer 2 differs from layer 0", "layer 0 has an array at .bias (float32[4])")),
+        ("float16", ("layer 2 differs from layer 0", ".weight is float16[4, 4], layer 0's float32[4, 4]")),
+    ],
+)
+def test_stacked_layers_name_the_layer_and_the_leaf_that_differ(linears, other, words):
+    layers = [linears["4x4"], linears["4x4"], linears[other]]
+    refused(lambda: eqxpar.nn.StackedLayers(layers), "StackedLayers:", *words, "same arguments")
+
+
+def test_stacked_layers_name_a_static_field_that_differs():
+    from eqxpar.models import GPT
+
+    key = jax.random.key(0)
+    four, eight = (GPT(64, 16, 32, heads, 1, key=key).blocks[0] for heads in (4, 8))
+    refused(lambda: eqxpar.nn.StackedLayers([four, eight]), "layer 1 differs", ".attention.num_heads is 8, layer 0's 4")
+
+
+def test_stacked_layers_bad_arguments(linears):
+    refused(lambda: eqxpar.nn.StackedLayers(linears["4x4"]), "layers must be a sequence", "got Linear")
+    refused(lambda: eqxpar.nn.StackedLayers([linears["4x4"]], axis_name=3), "axis_name must be a mesh axis name")
+
+
+# -- 6. arguments checked before any initialisation compiles -------------------------------
+
+
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        ({"attention_impl": "flash"}, ("attention_impl must be one of", "'ring'", "got 'flash'")),
+        ({"remat": "everything"}, ("remat must be one of", "got 'everything'")),
+        ({"scan_layers": "yes"}, ("scan_layers must be True or False",)),
+        ({"dropout_p": 1.5}, ("dropout_p must be a probability in [0, 1)",)),
+        ({"mlp_ratio": 0}, ("mlp_ratio must be a positive integer",)),
+        ({"axis_name": None}, ("axis_name must be a mesh axis name",)),
+    ],
+)
+def test_gpt_checks_its_arguments_before_drawing_weights(options, words):
+    from eqxpar.models import GPT
+
+    key = jax.random.key(0)
+    refused(lambda: GPT(64, 16, 32, 4, 2, key=key, **options), "GPT:", *words)
+
+
+def test_to_dense_of_a_devices_stacked_block_is_refused_before_unstacking():
+    """A device's block of a scanned GPT's blocks (as inside shard_map: the split weights
+    cut 4 ways): used to slice every layer out (a compile per array) before a layer's own
+    check refused it."""
+    from eqxpar.models import GPT
+
+    blocks = GPT(64, 16, 32, 4, 2, scan_layers=True, key=jax.random.key(0)).blocks
+    specs = eqxpar.nn.partition_specs(blocks, eqxpar.make_mesh(model=4))
+
+    def cut(x, spec):
+        if spec is None or not hasattr(x, "shape"):
+            return x
+        entries = (*spec, *(None,) * (x.ndim - len(spec)))
+        return x[tuple(slice(0, d // 4) if e == "model" else slice(None) for d, e in zip(x.shape, entries))]
+
+    block = jax.tree.map(cut, blocks, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec) or x is None)
+    refused(lambda: block.to_dense(), "to_dense", "not the global", "device's block")

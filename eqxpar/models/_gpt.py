@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Literal
 
 import equinox as eqx
@@ -19,6 +20,7 @@ from ..nn import (
     context_positions,
     vocab_parallel_cross_entropy,
 )
+from ..nn._attention import ATTENTION_IMPLS
 from ._block import REMAT_CHOICES, Remat, TransformerBlock, remat_wrapper, sequence_dropout, split_keys
 
 __all__ = ["GPT", "next_token_loss", "stack_blocks", "unstack_blocks"]
@@ -138,6 +140,20 @@ class GPT(TensorParallelLayer):
                 raise ValueError(f"GPT: {name} must be a positive integer, got {value!r}.")
         if remat not in REMAT_CHOICES:
             raise ValueError(f"GPT: remat must be one of {REMAT_CHOICES}, got {remat!r}.")
+        # Every argument checked before the weights are drawn (which compiles).
+        if attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"GPT: attention_impl must be one of {ATTENTION_IMPLS}, got {attention_impl!r}.")
+        for name, value in (("dim", dim), ("num_heads", num_heads), ("mlp_ratio", mlp_ratio)):
+            if not (isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0):
+                raise ValueError(f"GPT: {name} must be a positive integer, got {value!r}.")
+        for name, value in (("dropout_p", dropout_p), ("attention_dropout_p", attention_dropout_p)):
+            if value is not None and not (isinstance(value, numbers.Real) and 0 <= value < 1):
+                raise ValueError(f"GPT: {name} must be a probability in [0, 1), got {value!r}.")
+        for name, value in (("scan_layers", scan_layers), ("sequence_parallel", sequence_parallel)):
+            if isinstance(value, str) or value not in (True, False):
+                raise ValueError(f"GPT: {name} must be True or False, got {value!r}.")
+        if not isinstance(axis_name, str):
+            raise ValueError(f"GPT: axis_name must be a mesh axis name (a str), got {axis_name!r}.")
         padded = _padded(vocab_size, pad_vocab_to_multiple_of)
         token_key, position_key, head_key, *block_keys = jax.random.split(key, 3 + num_layers)
         # The real rows are drawn at the real size (the same weights for any padding); the

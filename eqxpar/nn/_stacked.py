@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import equinox as eqx
@@ -50,17 +51,25 @@ class StackedLayers(TensorParallelLayer):
 
         - `ValueError` for no layers or layers of different structures or shapes.
         """
+        if isinstance(layers, eqx.Module) or not isinstance(layers, Sequence) or isinstance(layers, str):
+            raise ValueError(
+                f"StackedLayers: layers must be a sequence (list or tuple) of layers, got "
+                f"{type(layers).__name__}. Pass a list, e.g. StackedLayers([layer])."
+            )
+        if not isinstance(axis_name, str):
+            raise ValueError(f"StackedLayers: axis_name must be a mesh axis name (a str), got {axis_name!r}.")
         layers = tuple(layers)
         if not layers:
             raise ValueError("StackedLayers needs at least one layer.")
         dynamic, static = zip(*(eqx.partition(layer, _is_array_like) for layer in layers))
-        structures = {jax.tree.structure(d) for d in dynamic}
-        shapes = {tuple((x.shape, x.dtype) for x in jax.tree.leaves(d)) for d in dynamic}
-        if len(structures) != 1 or len(shapes) != 1 or any(s != static[0] for s in static[1:]):
-            raise ValueError(
-                "StackedLayers: every layer needs the same structure, array shapes and static "
-                "fields to be stacked; these differ."
-            )
+        for i in range(1, len(layers)):
+            difference = _difference(dynamic[0], static[0], dynamic[i], static[i])
+            if difference is not None:
+                raise ValueError(
+                    f"StackedLayers: layer {i} differs from layer 0: {difference}. Every layer needs "
+                    f"the same structure, array shapes and dtypes, and static fields to be stacked "
+                    f"(one layer with a leading layer axis); build the layers with the same arguments."
+                )
         stacked = jax.tree.map(lambda *xs: _stack(xs), *dynamic)
         self.layers = eqx.combine(stacked, static[0])
         self.num_layers = len(layers)
@@ -94,14 +103,20 @@ class StackedLayers(TensorParallelLayer):
 
     def to_dense(self) -> tuple[PyTree, ...]:
         """The layers one by one, each tensor-parallel layer in them made dense."""
-        return tuple(
-            jax.tree.map(
+
+        def dense(layer):
+            return jax.tree.map(
                 lambda node: node.to_dense() if isinstance(node, TensorParallelLayer) else node,
                 layer,
                 is_leaf=lambda node: isinstance(node, TensorParallelLayer),
             )
-            for layer in self.unstack()
-        )
+
+        # One layer first, abstractly (nothing runs): a device's block (called inside
+        # shard_map) is refused by its layers' own checks before any slicing compiles.
+        dynamic, static = eqx.partition(self.layers, _is_array_like)
+        one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), dynamic)
+        jax.eval_shape(lambda d: (dense(eqx.combine(d, static)), None)[1], one)
+        return tuple(dense(layer) for layer in self.unstack())
 
     def __call__(
         self,
@@ -140,6 +155,70 @@ class StackedLayers(TensorParallelLayer):
 
             x, _ = jax.lax.scan(body, x, (dynamic, keys))
             return x
+
+
+def _aval_text(x) -> str:
+    return f"{jnp.dtype(x.dtype).name}{list(x.shape)}"
+
+
+def _static_difference(a, b, where: str) -> str | None:
+    """The first static field (or non-array value) that differs between two layers."""
+    if type(a) is not type(b):
+        return f"{where or 'the layer'} is a {type(b).__name__}, not a {type(a).__name__}"
+    if isinstance(a, eqx.Module):
+        for field in dataclasses.fields(a):
+            va, vb = getattr(a, field.name, None), getattr(b, field.name, None)
+            if field.metadata.get("static", False):
+                if va != vb:
+                    return f"its static field {where}.{field.name} is {vb!r}, layer 0's {va!r}"
+            else:
+                found = _static_difference(va, vb, f"{where}.{field.name}")
+                if found is not None:
+                    return found
+        return None
+    if isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            return f"{where or 'the layer'} has {len(b)} entries, layer 0's {len(a)}"
+        for k, (va, vb) in enumerate(zip(a, b)):
+            found = _static_difference(va, vb, f"{where}[{k}]")
+            if found is not None:
+                return found
+        return None
+    if isinstance(a, dict):
+        if a.keys() != b.keys():
+            return f"{where or 'the layer'} has keys {sorted(map(str, b))}, layer 0's {sorted(map(str, a))}"
+        for k in a:
+            found = _static_difference(a[k], b[k], f"{where}[{k!r}]")
+            if found is not None:
+                return found
+        return None
+    if a is None or b is None or _is_array_like(a):
+        return None
+    try:
+        same = bool(a == b)
+    except Exception:  # values that do not compare: take them as equal
+        same = True
+    return None if same else f"{where or 'the layer'} is {b!r}, layer 0's {a!r}"
+
+
+def _difference(dynamic0, static0, dynamic, static) -> str | None:
+    """How a layer differs from layer 0 (arrays: paths, shapes, dtypes; then static fields),
+    or None when the two stack."""
+    arrays0 = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(dynamic0)[0]}
+    arrays = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(dynamic)[0]}
+    for path in arrays0:
+        if path not in arrays:
+            return f"layer 0 has an array at {path or '<root>'} ({_aval_text(arrays0[path])}), this one has none"
+    for path in arrays:
+        if path not in arrays0:
+            return f"it has an array at {path or '<root>'} ({_aval_text(arrays[path])}), layer 0 has none"
+        a, b = arrays0[path], arrays[path]
+        if (tuple(a.shape), a.dtype) != (tuple(b.shape), b.dtype):
+            return f"its {path or 'array'} is {_aval_text(b)}, layer 0's {_aval_text(a)}"
+    if jax.tree.structure(dynamic0) != jax.tree.structure(dynamic) or static != static0:
+        found = _static_difference(eqx.combine(dynamic0, static0), eqx.combine(dynamic, static), "")
+        return found or "its structure or static fields (non-array values kept with the layer) differ"
+    return None
 
 
 def _stack(xs):
