@@ -41,6 +41,9 @@ def _standard_promotion(fn):
 import optax  # noqa: E402
 
 optax.tree.bias_correction = _standard_promotion(optax.tree.bias_correction)
+# - optax.MultiSteps's running mean divides the float gradient by the int32 step count
+#   (`(grad - acc) / (n_acc + 1)`, optax/transforms/_accumulation.py; optax 0.2.8).
+optax.MultiSteps.update = _standard_promotion(optax.MultiSteps.update)
 # - jax.nn.dot_product_attention's XLA path takes bfloat16 queries to float32 logits by
 #   `jnp.promote_types(query.dtype, np.float32)` and an einsum with a float32
 #   preferred_element_type (jax/_src/nn/functions.py, _dot_product_attention_core; JAX 0.10.2),
