@@ -251,7 +251,8 @@ class Context:
         import jax.numpy as jnp
         import numpy as np
         import optax
-        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
 
         from eqxpar.datasets import python_source_text
         from eqxpar.models import GPT, next_token_loss

@@ -83,7 +83,6 @@ def main(argv=None) -> dict:
     import optax
     from jax.sharding import PartitionSpec as P
 
-    from eqxpar.nn import partition_specs
     from eqxpar.datasets import python_source_text
     from eqxpar.inspect import (
         CommReport,
@@ -92,6 +91,7 @@ def main(argv=None) -> dict:
         fsdp_theory,
     )
     from eqxpar.models import GPT, gpt_tensor_parallel_theory, next_token_loss
+    from eqxpar.nn import partition_specs
     from eqxpar.train import fsdp_specs, fsdp_step, hybrid_step, optimizer_specs
 
     strategies = [s for s in STRATEGIES if s.devices <= jax.device_count()]

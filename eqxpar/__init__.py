@@ -6,21 +6,23 @@ inspection, tensor-parallel layers (`eqxpar.nn`), train steps (`eqxpar.train`), 
 checkpointing); see docs/concepts/architecture.md.
 """
 
+from . import (
+    distributed,  # multi-host start-up: eqxpar.distributed.initialize()
+    inspect,  # what a compiled function communicates
+    models,  # a small GPT built from eqxpar.nn layers
+    nn,  # tensor-parallel layers: eqxpar.nn.ParallelMLP, ...
+    train,  # train steps: eqxpar.train.data_parallel_step
+)
 from ._mesh import fit_mesh, make_mesh, parse_mesh, simulate_cpu_devices
 from ._shard_map import filter_shard_map
-from . import distributed  # multi-host start-up: eqxpar.distributed.initialize()
-from . import train  # train steps: eqxpar.train.data_parallel_step
-from . import nn  # tensor-parallel layers: eqxpar.nn.ParallelMLP, ...
-from . import inspect  # what a compiled function communicates
-from . import models  # a small GPT built from eqxpar.nn layers
-from .inspect import communication_report, memory_report
-from ._specs import broadcast_specs, validate_spec
 from ._sharding import (
     ShardingReport,
     gather,
     shard,
     sharding_report,
 )
+from ._specs import broadcast_specs, validate_spec
+from .inspect import communication_report, memory_report
 
 __version__ = "0.1.0"
 

@@ -11,10 +11,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
-
-import dataclasses
 
 import equinox as eqx
 import jax
@@ -308,7 +307,7 @@ def check_parallel_parity(
         )
     # The dense side: one device, the same axis names (all of size 1) so collectives in the
     # loss (vocab_parallel_cross_entropy) run as the identity they are there.
-    one = make_mesh(devices=jax.devices()[:1], **{name: 1 for name in mesh.axis_names})
+    one = make_mesh(devices=jax.devices()[:1], **dict.fromkeys(mesh.axis_names, 1))
     P = jax.sharding.PartitionSpec
     dense_key = None if key is None else jax.random.fold_in(key, 0)
 

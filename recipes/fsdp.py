@@ -34,9 +34,9 @@ import eqxpar
 import eqxpar.nn
 import eqxpar.recipe
 from eqxpar.datasets import python_source_text, text_windows
-from eqxpar.train import fsdp_specs, fsdp_step
 from eqxpar.inspect import CommReport
 from eqxpar.models import GPT, next_token_loss
+from eqxpar.train import fsdp_specs, fsdp_step
 
 
 @dataclasses.dataclass

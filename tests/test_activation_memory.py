@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from _budget import examples
 from hypothesis import example, given
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
@@ -25,7 +26,6 @@ import eqxpar
 from eqxpar.inspect import ActivationTheory, memory_report
 from eqxpar.models import GPT, gpt_activation_theory
 from eqxpar.nn import vocab_parallel_cross_entropy
-from _budget import examples
 
 VOCAB, SEQ, DIM, HEADS = 11, 32, 16, 4
 # (data, context, model) over at most 8 devices; heads split up to 4 ways.

@@ -17,8 +17,8 @@ import optax
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from jax.sharding import SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
+from jax.sharding import SingleDeviceSharding
 
 import eqxpar
 from eqxpar.checkpoint import Checkpointer

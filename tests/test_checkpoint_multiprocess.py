@@ -14,8 +14,8 @@ import sys
 import jax
 import numpy as np
 import pytest
-from _recipes import run_recipe
 from _checkpoint_processes import LAYOUTS, SAVED_BY_ONE, SAVED_BY_TWO, STEP, host_values, make_state
+from _recipes import run_recipe
 
 import eqxpar
 from eqxpar.checkpoint import Checkpointer
@@ -55,7 +55,7 @@ def test_saved_by_one_process_restored_by_two(two_process_job, layout):
         got = report[layout]
         assert (got["step"], got["data_state"]) == (STEP, {"index": 64}), (rank, got)
         # Each process checked every array against the state rebuilt from the seed, ...
-        assert got["equal"] == {name: True for name in saved}, (rank, got)
+        assert got["equal"] == dict.fromkeys(saved, True), (rank, got)
         # ... on arrays laid out as the target asked, over devices of both processes.
         assert got["shardings_as_like"] and got["spans_processes"], (rank, got)
         assert got["key_dtype"] == "key<fry>"

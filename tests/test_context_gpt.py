@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _budget import examples
 from hypothesis import given
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
@@ -14,7 +15,6 @@ from jax.sharding import PartitionSpec as P
 import eqxpar
 from eqxpar.models import GPT, next_token_loss
 from eqxpar.nn import layout_order, vocab_parallel_cross_entropy
-from _budget import examples
 
 VOCAB, SEQ, DIM, HEADS, BATCH, STEPS = 7, 16, 8, 2, 4, 2
 

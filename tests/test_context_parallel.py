@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _budget import examples
+from _dense_attention import dense_attention
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -20,8 +22,6 @@ from eqxpar.nn import (
     layout_order,
     ring_attention,
 )
-from _budget import examples
-from _dense_attention import dense_attention
 
 VOCAB, DIM, HEADS, SEQ, BATCH = 11, 8, 2, 16, 4
 

@@ -15,11 +15,11 @@ import time
 import jax
 import numpy as np
 import pytest
+from _recipes import run_recipe
 
 import eqxpar.distributed as distributed
 from eqxpar.launch import free_port
 from eqxpar.testing import F32_ATOL, F32_RTOL, assert_trees_close
-from _recipes import run_recipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHER_VARS = (

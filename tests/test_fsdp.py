@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from _gpt_reference import loss_fn, reference_run, sgd_momentum, tiny_gpt, token_batch
 from hypothesis import given
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
@@ -14,11 +15,8 @@ from jax.sharding import PartitionSpec as P
 import eqxpar
 import eqxpar.nn
 from eqxpar.inspect import CommReport
-from eqxpar.train import fsdp_specs, fsdp_step, optimizer_specs
 from eqxpar.testing import assert_trees_close, mesh_sizes
-
-from _gpt_reference import loss_fn, reference_run, sgd_momentum, tiny_gpt, token_batch
-
+from eqxpar.train import fsdp_specs, fsdp_step, optimizer_specs
 
 OPTIMIZER = sgd_momentum()
 

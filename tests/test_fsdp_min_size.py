@@ -7,6 +7,7 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
+from _gpt_reference import loss_fn, reference_run, sgd_momentum, tiny_gpt, token_batch
 from hypothesis import given
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
@@ -16,8 +17,6 @@ import eqxpar.nn
 from eqxpar.inspect import CommReport
 from eqxpar.testing import assert_trees_close
 from eqxpar.train import fsdp_specs, fsdp_step, optimizer_specs
-
-from _gpt_reference import loss_fn, reference_run, sgd_momentum, tiny_gpt, token_batch
 
 OPTIMIZER = sgd_momentum()
 # tiny_gpt: biases and norm scales have 32 or 128 elements, weight matrices 1,024 or more;

@@ -14,10 +14,10 @@ import jax
 import numpy as np
 import optax
 import pytest
+from _gpt_reference import CONTEXT, TEXT, token_batch
 from jax.sharding import PartitionSpec as P
 
 import eqxpar
-from _gpt_reference import CONTEXT, TEXT, token_batch
 from eqxpar.inspect import CommReport
 from eqxpar.models import GPT, next_token_loss
 from eqxpar.testing import assert_trees_close

@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-
 from _recipes import run_recipe
 
 SMALL = ("--steps", "4", "--batch-size", "8", "--context", "16", "--sample-chars", "0")

@@ -6,6 +6,7 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
+from _gpt_reference import CONTEXT, loss_fn, reference_run, sgd_momentum, tiny_gpt, token_batch
 from hypothesis import given
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
@@ -15,8 +16,6 @@ import eqxpar.nn
 from eqxpar.inspect import CommReport
 from eqxpar.testing import assert_trees_close, mesh_sizes
 from eqxpar.train import hybrid_step, optimizer_specs
-
-from _gpt_reference import CONTEXT, loss_fn, reference_run, sgd_momentum, tiny_gpt, token_batch
 
 OPTIMIZER = sgd_momentum()
 

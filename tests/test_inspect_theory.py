@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from _gpt_reference import CONTEXT, loss_fn, sgd_momentum, tiny_gpt, token_batch
 from hypothesis import given
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
@@ -34,8 +35,6 @@ from eqxpar.inspect import (
 from eqxpar.models import gpt_tensor_parallel_theory
 from eqxpar.testing import mesh_sizes
 from eqxpar.train import data_parallel_step, fsdp_specs, fsdp_step, hybrid_step, optimizer_specs
-
-from _gpt_reference import CONTEXT, loss_fn, sgd_momentum, tiny_gpt, token_batch
 
 OPTIMIZER = sgd_momentum()
 BATCH = 8

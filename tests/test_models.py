@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from _recipes import run_recipe
 from hypothesis import example, given
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
@@ -17,8 +18,6 @@ import eqxpar
 from eqxpar import nn
 from eqxpar.models import GPT, generate, next_token_loss
 from eqxpar.testing import assert_trees_close, mesh_sizes
-
-from _recipes import run_recipe
 
 VOCAB, CONTEXT = 16, 8
 model_sizes = mesh_sizes(("model",)).map(lambda s: s["model"])

@@ -9,7 +9,6 @@ import re
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import example, given, settings

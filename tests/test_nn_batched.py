@@ -10,11 +10,11 @@ import numpy as np
 from hypothesis import example, given
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
+from test_nn_parity import _dense, _normal, assert_parallel_equals_dense, model_sizes
 
 import eqxpar
 from eqxpar import nn
 from eqxpar.inspect import communication_report
-from test_nn_parity import _dense, _normal, assert_parallel_equals_dense, model_sizes
 
 # The helper maps `call` over the inputs' first axis; each call then gets a second batch
 # axis (of size 3), which the parallel layer takes whole and the dense one maps over.

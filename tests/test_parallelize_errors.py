@@ -8,12 +8,12 @@ import re
 import equinox as eqx
 import jax
 import pytest
+import test_parallelize as tp
 from hypothesis import given
 from hypothesis import strategies as st
 
 import eqxpar
 import eqxpar.nn
-import test_parallelize as tp
 
 
 @functools.cache

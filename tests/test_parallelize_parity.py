@@ -7,10 +7,10 @@ import equinox as eqx
 import jax
 import optax
 import pytest
+import test_parallelize as tp
 
 import eqxpar
 import eqxpar.nn
-import test_parallelize as tp
 from eqxpar.testing import check_parallel_parity
 
 MESH = dict(data=2, model=4)

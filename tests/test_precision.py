@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _gpt_reference import loss_fn, tiny_gpt, token_batch
 
 import eqxpar
-from _gpt_reference import loss_fn, tiny_gpt, token_batch
 from eqxpar.inspect import CommReport
 from eqxpar.train import Precision, data_parallel_step, fsdp_step, hybrid_step, shard_batch
 

@@ -23,10 +23,10 @@ import textwrap
 
 import jax
 import pytest
+from _recipes import RECIPES, load_recipe
 from hypothesis import given
 from hypothesis import strategies as st
 
-from _recipes import RECIPES, load_recipe
 from eqxpar._mesh import fit_mesh
 
 NAMES = sorted(p.stem for p in RECIPES.glob("*.py"))

@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _budget import examples
+from _dense_attention import dense_attention
 from hypothesis import example, given
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
@@ -19,8 +21,6 @@ from eqxpar.nn import (
     zigzag_inverse,
     zigzag_order,
 )
-from _budget import examples
-from _dense_attention import dense_attention
 
 
 def context_attention(fn, mesh, layout, causal):

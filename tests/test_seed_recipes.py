@@ -6,14 +6,13 @@ tested is what a user runs.
 
 import jax
 import pytest
+from _recipes import load_recipe, run_recipe
 from hypothesis import given
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import eqxpar
 from eqxpar.testing import assert_trees_close, mesh_sizes, on_one_device
-
-from _recipes import load_recipe, run_recipe
 
 # Loaded once: the recipes' jitted functions then keep their compile caches across examples.
 three_ways = load_recipe("three_ways")

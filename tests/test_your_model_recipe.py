@@ -2,7 +2,6 @@
 trains as the dense model does on one device, with the automatic plan and with a split head."""
 
 import numpy as np
-
 from _recipes import run_recipe
 
 SMALL = ("--steps", "3", "--batch-size", "4", "--context", "8", "--dim", "16", "--heads", "4", "--layers", "1")

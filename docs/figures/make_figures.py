@@ -36,7 +36,7 @@ import sys
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 
-import eqxpar  # noqa: E402
+import eqxpar
 
 eqxpar.simulate_cpu_devices(8)  # before JAX starts
 
@@ -47,8 +47,9 @@ import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 from matplotlib.patches import FancyBboxPatch, Rectangle  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 DOCS = pathlib.Path(__file__).resolve().parents[1]
 IMAGES = DOCS / "images"

@@ -95,7 +95,7 @@ def _read(manager, step: int, items: dict[str, Any]) -> tuple[Any, BaseException
         return manager.restore(step, args=ocp.args.Composite(**items)), None
     except IncompatibleCheckpoint:
         raise
-    except Exception as error:  # noqa: BLE001 - any failure to read means unreadable
+    except Exception as error:  # any failure to read means unreadable
         return None, error
 
 

@@ -36,13 +36,13 @@ sent. These are what the standard formulas count; a ring algorithm sends about
 twice that for an all-reduce. A collective over groups of one device moves nothing.
 """
 
+from ._activation_theory import ActivationTerm, ActivationTheory
 from ._collective import COLLECTIVE_KINDS, Collective
+from ._context_theory import context_parallel_theory, sequence_parallel_theory
+from ._flops import PEAK_FLOPS, compiled_flops, mfu, peak_flops, transformer_flops_per_token
 from ._hlo import collectives_in_hlo, collectives_in_lowered
 from ._memory import MemoryReport, memory_report
-from ._activation_theory import ActivationTerm, ActivationTheory
 from ._report import CommReport, communication_report
-from ._flops import PEAK_FLOPS, compiled_flops, mfu, peak_flops, transformer_flops_per_token
-from ._context_theory import context_parallel_theory, sequence_parallel_theory
 from ._theory import CommComparison, CommTheory, ComparisonRow, TheoryTerm, data_parallel_theory, fsdp_theory
 
 __all__ = [

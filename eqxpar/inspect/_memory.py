@@ -62,7 +62,7 @@ class MemoryReport:
         return self.arguments + self.outputs - self.aliased + self.temporaries
 
     @classmethod
-    def of(cls, compiled: Any, model: PyTree, opt_state: PyTree, *other_inputs: Any) -> "MemoryReport":
+    def of(cls, compiled: Any, model: PyTree, opt_state: PyTree, *other_inputs: Any) -> MemoryReport:
         """The memory report of a step already compiled for these arguments.
 
         **Arguments:**
@@ -99,7 +99,7 @@ class MemoryReport:
             generated_code=int(analysis.generated_code_size_in_bytes),
         )
 
-    def versus(self, single: "MemoryReport") -> str:
+    def versus(self, single: MemoryReport) -> str:
         """A table of this report beside another one (typically the single-device step's):
         bytes per device of each and their ratio.
 

@@ -36,7 +36,7 @@ class CommReport:
     """The mesh the program runs on (for `axes`), when known: its axis names and sizes."""
 
     @classmethod
-    def of(cls, lowered: Any, compiled: Any = None, *, mesh: Mesh | AbstractMesh | None = None) -> "CommReport":
+    def of(cls, lowered: Any, compiled: Any = None, *, mesh: Mesh | AbstractMesh | None = None) -> CommReport:
         """The report of a function already lowered (and, optionally, compiled).
 
         Use it to inspect the very program you then run, compiling once:
@@ -170,7 +170,7 @@ class CommReport:
             out[label] = (count + 1, nbytes + c.bytes)
         return out
 
-    def versus(self, theory: "CommTheory") -> "CommComparison":
+    def versus(self, theory: CommTheory) -> CommComparison:
         """The measured bytes beside a theory's, per collective kind and mesh axes.
 
         **Arguments:**

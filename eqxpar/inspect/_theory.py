@@ -48,7 +48,7 @@ class CommTheory:
 
     terms: tuple[TheoryTerm, ...] = ()
 
-    def __add__(self, other: "CommTheory") -> "CommTheory":
+    def __add__(self, other: CommTheory) -> CommTheory:
         if not isinstance(other, CommTheory):
             return NotImplemented
         return CommTheory(self.terms + other.terms)

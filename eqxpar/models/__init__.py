@@ -19,12 +19,12 @@ runs (the model states how it is pipelined; `eqxpar.train` names no model).
 """
 
 from ._block import REMAT_CHOICES, TransformerBlock, remat_wrapper, sequence_dropout
+from ._communication import gpt_tensor_parallel_theory
+from ._configs import GPT_CONFIGS, GPTConfig, gpt_config
+from ._flops import gpt_flops_per_token, gpt_matmul_params
 from ._generate import generate, whole_logits
 from ._gpt import GPT, next_token_loss, stack_blocks, unstack_blocks
-from ._communication import gpt_tensor_parallel_theory
 from ._memory import gpt_activation_theory
-from ._flops import gpt_flops_per_token, gpt_matmul_params
-from ._configs import GPT_CONFIGS, GPTConfig, gpt_config
 from ._stages import gpt_stages
 
 __all__ = [

@@ -12,12 +12,12 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..nn import (
-    layer_norm,
     ColumnParallelLinear,
     StackedLayers,
     TensorParallelLayer,
     VocabParallelEmbedding,
     context_positions,
+    layer_norm,
     vocab_parallel_cross_entropy,
 )
 from ..nn._attention import ATTENTION_IMPLS
@@ -213,7 +213,7 @@ class GPT(TensorParallelLayer):
             )
         TensorParallelLayer.check_axis_size(self, size, "" if where == "<root>" else where)
 
-    def to_dense(self) -> "GPT":
+    def to_dense(self) -> GPT:
         """The GPT with every tensor-parallel layer inside it made dense (global form only)."""
         return jax.tree.map(
             lambda node: node.to_dense() if isinstance(node, TensorParallelLayer) else node,

@@ -155,7 +155,7 @@ class ParallelMultiheadAttention(TensorParallelLayer):
         causal: bool = False,
         attention_impl: Literal["reference", "dot_product"] = "reference",
         axis_name: str = "model",
-    ) -> "ParallelMultiheadAttention":
+    ) -> ParallelMultiheadAttention:
         """The tensor-parallel form (global) of a dense `eqx.nn.MultiheadAttention`.
 
         **Arguments:**

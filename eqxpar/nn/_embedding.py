@@ -55,7 +55,7 @@ class VocabParallelEmbedding(TensorParallelLayer):
         self.axis_name = axis_name
 
     @classmethod
-    def from_dense(cls, embedding: eqx.nn.Embedding, *, axis_name: str = "model") -> "VocabParallelEmbedding":
+    def from_dense(cls, embedding: eqx.nn.Embedding, *, axis_name: str = "model") -> VocabParallelEmbedding:
         """The vocabulary-parallel form (global) of a dense `eqx.nn.Embedding`.
 
         **Arguments:**
@@ -88,7 +88,7 @@ class VocabParallelEmbedding(TensorParallelLayer):
             )
         return eqx.nn.Embedding(weight=self.weight)
 
-    def specs(self) -> "VocabParallelEmbedding":
+    def specs(self) -> VocabParallelEmbedding:
         """`weight`: `P(axis_name, None)`: split along the vocabulary."""
         return eqx.tree_at(lambda l: l.weight, self, PartitionSpec(self.axis_name, None))
 

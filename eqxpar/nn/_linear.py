@@ -87,7 +87,7 @@ class ColumnParallelLinear(TensorParallelLayer):
     @classmethod
     def from_dense(
         cls, linear: eqx.nn.Linear, *, gather_output: bool = False, axis_name: str = "model"
-    ) -> "ColumnParallelLinear":
+    ) -> ColumnParallelLinear:
         """The column-parallel form (global) of a dense `eqx.nn.Linear`, sharing its arrays.
 
         **Arguments:**
@@ -112,7 +112,7 @@ class ColumnParallelLinear(TensorParallelLayer):
         _check_global(self, (self.out_features, self.in_features))
         return _dense_linear(self.in_features, self.out_features, self.weight, self.bias)
 
-    def specs(self) -> "ColumnParallelLinear":
+    def specs(self) -> ColumnParallelLinear:
         """`weight`: `P(axis_name, None)`, `bias`: `P(axis_name)`: split along the outputs."""
         specs = eqx.tree_at(lambda l: l.weight, self, PartitionSpec(self.axis_name, None))
         if self.use_bias:
@@ -220,7 +220,7 @@ class RowParallelLinear(TensorParallelLayer):
     @classmethod
     def from_dense(
         cls, linear: eqx.nn.Linear, *, input_is_split: bool = True, axis_name: str = "model"
-    ) -> "RowParallelLinear":
+    ) -> RowParallelLinear:
         """The row-parallel form (global) of a dense `eqx.nn.Linear`, sharing its arrays.
 
         **Arguments:**
@@ -239,7 +239,7 @@ class RowParallelLinear(TensorParallelLayer):
         _check_global(self, (self.out_features, self.in_features))
         return _dense_linear(self.in_features, self.out_features, self.weight, self.bias)
 
-    def specs(self) -> "RowParallelLinear":
+    def specs(self) -> RowParallelLinear:
         """`weight`: `P(None, axis_name)` (split along the inputs), `bias`: `P()`."""
         specs = eqx.tree_at(lambda l: l.weight, self, PartitionSpec(None, self.axis_name))
         if self.use_bias:

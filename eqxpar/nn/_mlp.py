@@ -95,7 +95,7 @@ class ParallelMLP(TensorParallelLayer):
     @classmethod
     def from_dense(
         cls, mlp: eqx.nn.MLP, *, dropout_p: float = 0.0, axis_name: str = "model"
-    ) -> "ParallelMLP":
+    ) -> ParallelMLP:
         """The tensor-parallel form (global) of a dense `eqx.nn.MLP` with `depth=1`.
 
         **Arguments:**

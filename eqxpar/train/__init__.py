@@ -25,9 +25,9 @@ decay) give the single-device result under every strategy.
 
 from ._builders import LossFn, data_parallel_step, fsdp_step, hybrid_step
 from ._fsdp import fsdp_specs
-from ._placement import optimizer_specs, shard_batch
 from ._pipeline import pipeline_specs, pipeline_step
 from ._pipeline_stages import Stages
+from ._placement import optimizer_specs, shard_batch
 from ._precision import Precision
 from ._schedule import SCHEDULES, Schedule, bubble_theory, make_schedule
 from ._step import TrainStep

@@ -8,8 +8,8 @@ import jax
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import PyTree
 
-from ..nn import StackedLayers
 from .._specs import broadcast_specs, check_axes, entry_axes, pad_spec, validate_spec
+from ..nn import StackedLayers
 
 
 def fsdp_specs(

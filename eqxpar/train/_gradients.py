@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, PyTree
 
-from ..nn import StackedLayers
 from .._specs import entry_axes, pad_spec, path_str, spec_axes
+from ..nn import StackedLayers
 from ._checks import checked_loss
 from ._precision import Precision
 from ._saved import record_saved_activations

@@ -175,9 +175,9 @@ def pipeline_step(
     """
     who = "pipeline_step"
     if not isinstance(stages, Stages):
-        raise ValueError(f"{who}: stages must be an eqxpar.train.Stages (e.g. eqxpar.models.gpt_stages()), got {type(stages).__name__}.")  # noqa: TRY004
+        raise ValueError(f"{who}: stages must be an eqxpar.train.Stages (e.g. eqxpar.models.gpt_stages()), got {type(stages).__name__}.")
     if not isinstance(remat, bool):
-        raise ValueError(f"{who}: remat must be True or False, got {remat!r}.")  # noqa: TRY004
+        raise ValueError(f"{who}: remat must be True or False, got {remat!r}.")
     for name, value in (("microbatches", microbatches), ("virtual_stages", virtual_stages)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{who}: {name} must be a positive integer, got {value!r}.")
@@ -196,7 +196,7 @@ def pipeline_step(
         raise ValueError(f"{who}: {error}") from None
     precision = Precision() if precision is None else precision
     if not isinstance(precision, Precision):
-        raise ValueError(f"{who}: precision must be an eqxpar.train.Precision, got {type(precision).__name__}.")  # noqa: TRY004
+        raise ValueError(f"{who}: precision must be an eqxpar.train.Precision, got {type(precision).__name__}.")
     share = 1.0 / (n_batch * microbatches)
 
     def specs_for(model):
