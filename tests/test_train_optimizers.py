@@ -144,9 +144,14 @@ def test_hybrid_sharding_copies_over_data_and_splits_over_fsdp():
     weight = model.blocks[0].mlp.hidden.weight
     assert weight.sharding.shard_shape(weight.shape)[1] == weight.shape[1] // 4
     batch = token_batch(8, 7)
-    want, _ = reference_value_and_grad()(tiny_gpt(5), batch)
-    _, _, metrics = step(model, opt_state, shard_batch(batch, mesh, batch_axis=("data", "fsdp")))
+    want, grads = reference_value_and_grad()(tiny_gpt(5), batch)
+    got, _, metrics = step(model, opt_state, shard_batch(batch, mesh, batch_axis=("data", "fsdp")))
     np.testing.assert_allclose(float(metrics["loss"]), float(want), rtol=1e-5)
+    # A gradient reduced twice over data leaves the loss alone: the norm and the update show it.
+    grads = eqx.filter(grads, eqx.is_inexact_array)
+    np.testing.assert_allclose(float(metrics["grad_norm"]), float(optax.tree.norm(grads)), rtol=1e-5)
+    updates, _ = opt.update(grads, opt.init(eqx.filter(tiny_gpt(5), eqx.is_inexact_array)))
+    assert_trees_close(got, eqx.apply_updates(tiny_gpt(5), updates), rtol=1e-5, atol=1e-6, what="parameters")
 
 
 def test_fsdp_with_state_equals_one_device():
@@ -170,6 +175,8 @@ def test_fsdp_with_state_equals_one_device():
         ref_model, ref_state, ref_opt_state, ref_loss = on_one_device(reference_step, ref_model, ref_state, ref_opt_state, batch, 2)
         model, state, opt_state, metrics = step(model, state, opt_state, shard_batch(batch, mesh, batch_axis="fsdp"))
         assert_trees_close(metrics["loss"], ref_loss, what=f"loss at step {i}")
+        # The reference optimizer keeps its last gradient first (check_vma is off with state).
+        assert_trees_close(metrics["grad_norm"], optax.tree.norm(ref_opt_state[0]), what=f"grad_norm at step {i}")
         assert_trees_close(state, ref_state, what=f"running statistics after step {i}")
         assert_trees_close(single_device(model), ref_model, what=f"parameters after step {i}")
 
