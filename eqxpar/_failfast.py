@@ -39,6 +39,9 @@ run, four things (see `install_fail_fast`):
    launcher reports that status. (`sys.exit` is wrapped to see the status; a bare
    `raise SystemExit(N)` is not seen, and waits as in 4.)
 
+The progress watchdog (`eqxpar/_watchdog.py`) records a stalled process through `end_job`;
+the watchdog thread of 2. then prints each other process's stacks before ending it.
+
 A process that dies without running Python (SIGKILL, the out-of-memory killer, a lost host)
 records nothing; the others then learn of it from their next collective, which fails when
 the dead peer's connections close (gloo on CPU), or from the coordination service, which
@@ -199,20 +202,21 @@ class _FailFast:
 
     # --- another process failed ----------------------------------------------------------------
 
-    def fail_stalled(self, reason: str) -> None:
-        """eqxpar's progress watchdog found no step finished in time: record it, end now."""
+    def end_job(self, reason: str, message: str, status: int, wait_all: bool = False) -> None:
+        """Record `reason` as the job's failure, say `message`, end with `status` (unless an
+        earlier failure was recorded: then it is the cause). `wait_all`: every process, not
+        only 0, waits until the others read it (the stalled-job case: they print where
+        they wait before our exit breaks their collectives and moves their main threads)."""
         with self.lock:
             ok, earlier = _bounded(lambda: self._record(reason), 5.0)
             if ok and earlier:
                 self._say(f"{self.tag} stops because {earlier}. Exiting with status {EXIT_PEER_FAILED}.")
                 os._exit(EXIT_PEER_FAILED)
-            self._say(f"{self.tag} failed: {reason}. Ending the whole job: the other processes print "
-                      f"their stacks and stop too.")
-            # Every process, not only 0: the others print where they wait before our exit
-            # breaks their collectives (which would move their main threads elsewhere).
-            self._wait_until_seen(5.0)
+            self._say(message)
+            if self.pid == 0 or wait_all:
+                self._wait_until_seen(5.0 if wait_all else 3.0)
             _flush()
-            os._exit(1)
+            os._exit(status)
 
     def _peer_failed(self, message: str) -> None:
         with self.lock:
@@ -331,31 +335,16 @@ class _FailFast:
             self.exit_status = status
         self.previous_exit(status)
 
-    def _exit_failed(self, status: Any, code: int) -> None:
-        """A `sys.exit` with a failing status: record it and end now, as for an exception."""
-        with self.lock:
-            reason = f"process {self.pid} exited with status {code}"
-            if not isinstance(status, int):
-                reason += f" ({str(status).strip()[:200]})"
-            self._say(
-                f"{self.tag} failed: it called sys.exit({status!r}). Ending the whole job with "
-                f"status {code} instead of waiting for the other processes; they stop too."
-            )
-            ok, earlier = _bounded(lambda: self._record(reason), 5.0)
-            if ok and earlier:
-                self._say(f"{self.tag}: after an earlier failure: {earlier}.")
-            if self.pid == 0:
-                self._wait_until_seen(3.0)
-            _flush()
-            os._exit(code)
-
     def at_exit(self) -> None:
         # Every process waits here for the others (the watchdog still running) rather than
         # at JAX's shutdown barrier, where nothing would notice a failure but JAX's heartbeat.
         status = getattr(self, "exit_status", None)
         code = 0 if status is None else int(status) if isinstance(status, int) else 1
         if code not in (0, EXIT_PREEMPTED):  # sys.exit("message") exits with status 1
-            self._exit_failed(status, code)
+            detail = "" if isinstance(status, int) else f" ({str(status).strip()[:200]})"
+            self.end_job(f"process {self.pid} exited with status {code}{detail}",
+                         f"{self.tag} failed: it called sys.exit({status!r}). Ending the whole job with "
+                         f"status {code} instead of waiting for the other processes; they stop too.", code)
         try:
             self._finish_together()
         finally:

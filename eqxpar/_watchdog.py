@@ -159,7 +159,8 @@ class Watchdog:
         dump_stacks(tag)
         state = _installed[0] if _installed else None
         if state is not None:
-            state.fail_stalled(reason)  # records it for the others; does not return
+            state.end_job(reason, f"{tag} failed: {reason}. Ending the whole job: the other processes "
+                          f"print their stacks and stop too.", 1, wait_all=True)  # does not return
         sys.stderr.write(f"{tag}: watchdog: ending the process with status 1. If steps are "
                          f"legitimately this slow, raise the timeout (--watchdog-s).\n")
         _flush()
