@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The most complete recipe so far: the project's main job.
 DEMO ?= hybrid_gpt
 
-.PHONY: demo test test-thorough lint docs figures docs-serve bench clean
+.PHONY: demo test test-thorough mutants lint docs figures docs-serve bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,12 @@ test: $(STAMP)
 
 test-thorough: $(STAMP)
 	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q $(PYTEST_WORKERS)
+
+# Mutation check (not part of `make test`): one-line mutants of the collectives and schedules
+# (tools/mutants.toml), each run against its covering tests in a private copy; exits 1 if any
+# survives. `make mutants ONLY=name[,name...]` runs some; usage in tools/mutants.py.
+mutants: $(STAMP)
+	$(PY) tools/mutants.py $(if $(ONLY),--only $(ONLY),)
 
 # Lint: ruff (rules, import order and formatting; settings in pyproject.toml) over every Python
 # file, then pyright in basic mode over the library (eqxpar/). Both pinned in the `lint` extra.

@@ -24,7 +24,9 @@ def test_padding_ids_stay_out_of_the_softmax(n, vocab, padded):
     mesh = eqxpar.make_mesh(model=n)
     parallel = eqxpar.filter_shard_map(
         lambda l, y: jnp.sum(vocab_parallel_cross_entropy(l, y, "model", vocab_size=vocab)),
-        mesh=mesh, in_specs=(P(None, "model"), P()), out_specs=P(),
+        mesh=mesh,
+        in_specs=(P(None, "model"), P()),
+        out_specs=P(),
     )
     loss, grad = jax.jit(jax.value_and_grad(parallel))(logits, labels)
 

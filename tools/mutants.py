@@ -95,8 +95,9 @@ def load_mutants(path: Path = MUTANTS_FILE) -> list[Mutant]:
     mutants = []
     for entry in table["mutant"]:
         tests = entry["tests"]
-        mutants.append(Mutant(entry["name"], entry["file"], entry["original"], entry["replacement"],
-                              entry["description"], tuple([tests] if isinstance(tests, str) else tests)))
+        tests = tuple([tests] if isinstance(tests, str) else tests)
+        fields = (entry["name"], entry["file"], entry["original"], entry["replacement"], entry["description"])
+        mutants.append(Mutant(*fields, tests))
     names = [m.name for m in mutants]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
@@ -115,8 +116,11 @@ def make_copy(dest: Path, ref: str | None) -> None:
             if (ROOT / f).is_file():
                 shutil.copy2(ROOT / f, dest / f)
         return
-    paths = [p for p in (*COPY_DIRS, *COPY_FILES)
-             if subprocess.run(["git", "cat-file", "-e", f"{ref}:{p}"], cwd=ROOT, capture_output=True).returncode == 0]
+
+    def in_ref(p: str) -> bool:
+        return subprocess.run(["git", "cat-file", "-e", f"{ref}:{p}"], cwd=ROOT, capture_output=True).returncode == 0
+
+    paths = [p for p in (*COPY_DIRS, *COPY_FILES) if in_ref(p)]
     archive = subprocess.run(["git", "archive", "--format=tar", ref, *paths], cwd=ROOT, capture_output=True, check=True)
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
 
@@ -146,12 +150,16 @@ def run_pytest(copy: Path, args: list[str], timeout: float) -> tuple[int | None,
     imported.unlink(missing_ok=True)
     shutil.rmtree(copy / ".hypothesis", ignore_errors=True)  # no examples carried between runs
     env = {k: v for k, v in os.environ.items() if k not in ("HYPOTHESIS_PROFILE", "PYTEST_ADDOPTS", "PYTHONPATH")}
-    env.update(PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1", EQXPAR_MUTANTS_COPY=str(copy),
-               EQXPAR_MUTANTS_IMPORTED=str(imported))
+    env.update(
+        PYTHONPATH=str(copy),
+        PYTHONDONTWRITEBYTECODE="1",
+        EQXPAR_MUTANTS_COPY=str(copy),
+        EQXPAR_MUTANTS_IMPORTED=str(imported),
+    )
     start = time.monotonic()
     try:
-        proc = subprocess.run([sys.executable, "-m", "pytest", *PYTEST, *args], cwd=copy, env=env,
-                              capture_output=True, text=True, timeout=timeout)
+        command = [sys.executable, "-m", "pytest", *PYTEST, *args]
+        proc = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
         rc, out = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as e:
         out = e.stdout or ""
@@ -160,9 +168,9 @@ def run_pytest(copy: Path, args: list[str], timeout: float) -> tuple[int | None,
     if imported.is_file():
         where = Path(imported.read_text())
         if copy.resolve() not in where.parents:
-            raise SystemExit(f"tools/mutants.py: the tests imported eqxpar from {where}, not from the copy {copy}; stopping.")
+            raise SystemExit(f"tools/mutants.py: tests imported eqxpar from {where}, not the copy {copy}; stopping.")
     elif rc is not None:
-        raise SystemExit(f"tools/mutants.py: the import guard did not run in the copy; stopping. pytest said:\n{tail(out)}")
+        raise SystemExit(f"tools/mutants.py: the import guard did not run; stopping. pytest said:\n{tail(out)}")
     return rc, out, seconds
 
 
@@ -184,10 +192,8 @@ def baseline_groups(mutants: list[Mutant]) -> list[list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", action="append", default=[],
-                        help="run only these mutants (comma-separated names; may repeat)")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", action="append", default=[], help="only these mutants (comma-separated; may repeat)")
     parser.add_argument("--list", action="store_true", help="list the mutants and their tests, run nothing")
     parser.add_argument("--ref", default=None, help="copy this git commit instead of the working tree")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per pytest run (default 600)")
@@ -240,8 +246,9 @@ def run_all(mutants: list[Mutant], copy: Path, args) -> int:
         for group in baseline_groups(mutants):
             rc, out, seconds = run_pytest(copy, group, args.timeout)
             if rc != 0:
-                print(f"baseline FAILED ({'timeout' if rc is None else f'exit {rc}'}, {seconds:.0f}s): the unmutated "
-                      f"tests must pass first.\n  tests: {' '.join(group)}\n{tail(out)}", file=sys.stderr)
+                why = "timeout" if rc is None else f"exit {rc}"
+                message = f"baseline FAILED ({why}, {seconds:.0f}s): the unmutated tests must pass first."
+                print(f"{message}\n  tests: {' '.join(group)}\n{tail(out)}", file=sys.stderr)
                 return 2
             print(f"baseline  {seconds:6.1f}s  passed: {' '.join(group)}", flush=True)
 
