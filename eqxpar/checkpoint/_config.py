@@ -4,13 +4,13 @@ run config saved with every checkpoint against a resuming run's, and a recipe's 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import warnings
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, NamedTuple
 
+from .._optional import require
 from . import _folder
 
 __all__ = [
@@ -130,10 +130,10 @@ def check_folder(
       newest config differs from `config` in `shape_fields`.
     - `ImportError` if orbax-checkpoint is missing.
     """
-    if importlib.util.find_spec("orbax.checkpoint") is None:
-        raise ImportError(
-            "eqxpar.checkpoint.Checkpointer needs orbax-checkpoint: pip install 'eqxpar[checkpoint]'."
-        )
+    # A one-line install hint (eqxpar.recipe.flag_errors prints it as one line), also when the
+    # whole `orbax` package is missing; nothing is imported yet.
+    purpose = "--checkpoint-dir" if spelling is FLAGS else "eqxpar.checkpoint.Checkpointer"
+    require("orbax.checkpoint", package="orbax-checkpoint", extra="checkpoint", purpose=purpose, load=False)
     if os.path.isfile(directory):
         raise ValueError(f"Checkpointer: {directory} is a file; give a folder to hold the checkpoints.")
     contents = _folder.scan(directory)

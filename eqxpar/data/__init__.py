@@ -31,6 +31,13 @@ sharding (the silent failure: wrong rows, no error). A data source with fewer re
 one global batch is accepted with a `UserWarning`: its records repeat within every batch.
 """
 
+from .._optional import missing
+
+try:  # grain is an optional extra: without it, the install line instead of `No module named 'grain'`
+    import grain  # noqa: F401
+except ImportError as error:
+    raise missing("grain", "data", "eqxpar.data (distributed data loading)") from error
+
 from ._check import check_batch_consistency
 from ._layout import BatchLayout, batch_layout, batch_sharding, batch_spec
 from ._order import global_batch_records

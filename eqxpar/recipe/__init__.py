@@ -31,6 +31,7 @@ from ._flags import (
     require_positive,
 )
 from ._gpt_flags import GPTFlags, check_gpt_flags, speed_metrics, speed_text
+from ._log import LogFlags, RunLog
 from ._output import Throughput, is_main_process, parameter_digest, progress, steps_to_run, write_metrics
 
 __all__ = [
@@ -51,4 +52,6 @@ __all__ = [
     "speed_text",
     "parameter_digest",
     "Throughput",
+    "LogFlags",
+    "RunLog",
 ]

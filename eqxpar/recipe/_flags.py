@@ -16,6 +16,7 @@ from unittest import mock
 import jax
 
 from .._mesh import fit_mesh, parse_mesh
+from .._optional import MissingDependency, require
 from ._output import is_main_process
 
 __all__ = [
@@ -64,7 +65,7 @@ def parse_flags(
 
     An instance of `config_cls` with the defaults overridden by the flags given.
     """
-    import tyro
+    tyro = require("tyro", package="tyro", extra="recipes", purpose="the recipes' flags (eqxpar.recipe.parse_flags)")
 
     if not dataclasses.is_dataclass(config_cls):
         raise TypeError(f"parse_flags needs a dataclass, got {config_cls!r}")
@@ -122,13 +123,15 @@ def flag_error(message: str, prog: str | None = None) -> NoReturn:
 @contextlib.contextmanager
 def flag_errors(prog: str | None = None):
     """Within it, a `ValueError` ends the program as a bad flag: see [`eqxpar.recipe.flag_error`][].
+    So does a missing optional dependency that a flag needs (orbax-checkpoint for
+    `--checkpoint-dir`): one line with the `pip install` that adds it.
 
     For checks of the flags that can only run after `parse_flags` (e.g. after joining a
     multi-process job): `with eqxpar.recipe.flag_errors(): sizes = mesh_from_flag(...)`.
     """
     try:
         yield
-    except ValueError as error:
+    except (ValueError, MissingDependency) as error:  # a bad flag, or a flag's missing dependency
         flag_error(str(error), prog)
 
 
