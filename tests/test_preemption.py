@@ -1,7 +1,8 @@
 """SIGTERM (a preemption notice) mid-run: the current step is saved, the run stops, resumes bitwise.
 
 Real processes (no mocks): `recipes/multihost.py` with `--checkpoint-dir`, run as one process
-and as a 2-process `python -m eqxpar.launch` job (gloo on 127.0.0.1). Once its first regular
+and as a 2-process `python -m eqxpar.launch` job (gloo on 127.0.0.1), and `hybrid_gpt` as one
+process. Once its first regular
 checkpoint is on disk the run gets SIGTERM (the launcher gets it, and passes it on to its
 ranks). Every process saves the same step (JAX's preemption sync point agrees on it across
 processes), process 0 prints where to resume, and the job exits with status 143. The run
@@ -21,10 +22,14 @@ import pytest
 from eqxpar.checkpoint import EXIT_PREEMPTED
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECIPE = os.path.join(ROOT, "recipes", "multihost.py")
-# Long enough that the notice lands mid-run; regular checkpoints every 10 steps slow the
+# Long enough that the notice lands mid-run; regular checkpoints every few steps slow the
 # interrupted run down, and the resumed one saves only at the end.
-FLAGS = ("--steps", "200", "--batch-size", "32", "--width", "16", "--learning-rate", "0.1")
+RECIPES = {
+    "multihost": (("--steps", "200", "--batch-size", "32", "--width", "16", "--learning-rate", "0.1"), 10),
+    # A GPT recipe: its checkpoints also hold the loss history (data_state) and a PRNG key.
+    "hybrid_gpt": (("--steps", "60", "--batch-size", "8", "--context", "16", "--layers", "1", "--dim", "32",
+                    "--sample-chars", "0"), 3),
+}
 HINT = re.compile(
     r"eqxpar\.checkpoint: preempted \(SIGTERM\): saved checkpoint (\S+) at step (\d+) and "
     r"stopped \(exit status 143\)\. To continue from it, run again with the same flags and --resume\."
@@ -32,15 +37,17 @@ HINT = re.compile(
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
 
 
-def command(nproc, *flags):
+def command(recipe, nproc, *flags):
+    script = os.path.join(ROOT, "recipes", f"{recipe}.py")
+    recipe_flags = RECIPES[recipe][0]
     if nproc == 1:
-        return [sys.executable, RECIPE, "--devices", "2", *FLAGS, *flags]
+        return [sys.executable, script, *recipe_flags, *flags]
     return [sys.executable, "-m", "eqxpar.launch", "--nproc", str(nproc), "--devices-per-proc", "1",
-            RECIPE, *FLAGS, *flags]
+            script, *recipe_flags, *flags]
 
 
-def run(nproc, *flags, timeout=300):
-    done = subprocess.run(command(nproc, *flags), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def run(recipe, nproc, *flags, timeout=300):
+    done = subprocess.run(command(recipe, nproc, *flags), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout + done.stderr
 
@@ -49,17 +56,19 @@ def steps_on_disk(directory):
     return sorted(int(n) for n in os.listdir(directory) if n.isdigit()) if os.path.isdir(directory) else []
 
 
-def preempt(nproc, directory, metrics):
-    """Start the run; SIGTERM it once checkpoint 10 is complete; (status, output, seconds)."""
+def preempt(recipe, nproc, directory, metrics):
+    """Start the run; SIGTERM it once its first checkpoint is complete; (status, output, seconds)."""
+    every = RECIPES[recipe][1]
     proc = subprocess.Popen(
-        command(nproc, "--checkpoint-dir", str(directory), "--checkpoint-every", "10", "--metrics-out", str(metrics)),
+        command(recipe, nproc, "--checkpoint-dir", str(directory), "--checkpoint-every", str(every),
+                "--metrics-out", str(metrics)),
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
         deadline = time.monotonic() + 300  # start-up and compiling: minutes on a loaded machine
-        while 10 not in steps_on_disk(directory):  # a file on disk, the signal to act on
+        while every not in steps_on_disk(directory):  # a file on disk, the signal to act on
             assert proc.poll() is None, proc.stdout.read()[-3000:]
-            assert time.monotonic() < deadline, "no checkpoint 10 in time"
+            assert time.monotonic() < deadline, "no first checkpoint in time"
             time.sleep(0.02)
         proc.send_signal(signal.SIGTERM)
         sent = time.monotonic()
@@ -71,16 +80,17 @@ def preempt(nproc, directory, metrics):
             proc.wait()
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_sigterm_saves_the_current_step_and_the_resumed_run_ends_bitwise(tmp_path, nproc):
+@pytest.mark.parametrize("recipe, nproc", [("multihost", 1), ("multihost", 2), ("hybrid_gpt", 1)])
+def test_sigterm_saves_the_current_step_and_the_resumed_run_ends_bitwise(tmp_path, recipe, nproc):
     directory = tmp_path / "ckpt"
-    status, out, seconds = preempt(nproc, directory, tmp_path / "interrupted.json")
+    steps = int(RECIPES[recipe][0][1])
+    status, out, seconds = preempt(recipe, nproc, directory, tmp_path / "interrupted.json")
     assert status == EXIT_PREEMPTED, out[-3000:]
     hints = HINT.findall(out)
     assert len(hints) == 1, out[-3000:]  # process 0 says it, once
     path, step = hints[0][0], int(hints[0][1])
     assert path == str(directory / str(step)), hints
-    assert 10 < step < 200 and steps_on_disk(directory)[-1] == step, (step, steps_on_disk(directory))
+    assert RECIPES[recipe][1] < step < steps and steps_on_disk(directory)[-1] == step, (step, steps_on_disk(directory))
     assert not (tmp_path / "interrupted.json").exists()  # it stopped: no final metrics
     if nproc == 2:
         assert "eqxpar.launch: received SIGTERM; passing it on" in out, out[-3000:]
@@ -88,14 +98,16 @@ def test_sigterm_saves_the_current_step_and_the_resumed_run_ends_bitwise(tmp_pat
         assert "killed" not in out and "failed" not in out, out[-3000:]
 
     resumed_metrics = tmp_path / "resumed.json"
-    resumed_out = run(nproc, "--checkpoint-dir", str(directory), "--checkpoint-every", "1000", "--resume",
+    resumed_out = run(recipe, nproc, "--checkpoint-dir", str(directory), "--checkpoint-every", "1000", "--resume",
                       "--metrics-out", str(resumed_metrics))
     assert f"resumed from step {step} " in resumed_out, resumed_out[-3000:]
     straight_metrics = tmp_path / "straight.json"
-    run(nproc, "--metrics-out", str(straight_metrics))
+    run(recipe, nproc, "--metrics-out", str(straight_metrics))
     resumed, straight = json.loads(resumed_metrics.read_text()), json.loads(straight_metrics.read_text())
     assert resumed["resumed_from_step"] == step
-    for name in ("param_digest", "final_loss", "test_accuracy"):
+    names = ("param_digest", "final_loss", "test_accuracy") if recipe == "multihost" else (
+        "param_digest", "final_loss", "first_loss", "final_loss_mean10", "val_loss")
+    for name in names:
         assert resumed[name] == straight[name], name
-    print(f"{nproc} process(es): SIGTERM -> checkpoint {step} saved, exit {status} in {seconds:.1f} s; "
+    print(f"{recipe}, {nproc} process(es): SIGTERM -> checkpoint {step} saved, exit {status} in {seconds:.1f} s; "
           f"resumed bitwise")
