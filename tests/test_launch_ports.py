@@ -119,3 +119,19 @@ def test_a_one_machine_launch_listens_on_loopback_only(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_where_the_coordinator_listens(monkeypatch):
+    from eqxpar._runtime import bind_address
+
+    monkeypatch.delenv("JAX_COORDINATOR_BIND_ADDRESS", raising=False)
+    assert bind_address("127.0.0.1:1234") == "127.0.0.1:1234"  # eqxpar.launch: loopback only
+    assert bind_address("localhost:1234") == "127.0.0.1:1234"
+    assert bind_address("10.0.0.5:1234") == "10.0.0.5:1234"  # an IP: that address only
+    assert bind_address("[::1]:1234") == "[::1]:1234"
+    assert bind_address("node001:1234") == "[::]:1234"  # a name: JAX's every interface
+    assert bind_address("node001:1234", "10.0.0.5:1234") == "10.0.0.5:1234"  # given wins
+    monkeypatch.setenv("JAX_COORDINATOR_BIND_ADDRESS", "0.0.0.0:1234")
+    assert bind_address("127.0.0.1:1234") == "0.0.0.0:1234"
+    with pytest.raises(ValueError, match="not of the form host:port"):
+        bind_address("127.0.0.1:1234", "nonsense")

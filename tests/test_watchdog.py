@@ -60,3 +60,52 @@ def test_the_watchdog_refuses_a_timeout_that_is_not_positive():
     for bad in (0, -1, True, "60"):
         with pytest.raises(ValueError, match="Watchdog: timeout_s must be a positive number of seconds"):
             Watchdog(bad)
+
+
+def run_script(tmp_path, source, timeout=120):
+    script = tmp_path / "script.py"
+    script.write_text(source)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("EQXPAR_", "SLURM_"))}
+    env["JAX_PLATFORMS"] = "cpu"
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    return done, time.monotonic() - start
+
+
+def test_one_process_that_stops_making_progress_prints_its_stack_and_exits_1(tmp_path):
+    done, seconds = run_script(tmp_path, (
+        "import time\n"
+        "import eqxpar.distributed\n"
+        "watchdog = eqxpar.distributed.Watchdog(2)\n"
+        "for step in range(3):\n"
+        "    watchdog.step_finished(step)\n"
+        "print('stuck', flush=True)\n"
+        "time.sleep(600)\n"
+    ))
+    assert done.returncode == 1, done.stderr
+    assert "stuck" in done.stdout and seconds < 60, (seconds, done.stderr)
+    err = done.stderr
+    assert "eqxpar: process 0 of 1: watchdog: no training step finished in 2 s (the last, step 2" in err, err
+    assert "its main thread waits in <module>" in err and "time.sleep(600)" in err, err
+    assert "(most recent call first)" in err and "raise the timeout (--watchdog-s)" in err, err
+
+
+def test_a_loop_that_raised_does_not_fire_the_watchdog_later(tmp_path):
+    done, seconds = run_script(tmp_path, (
+        "import time\n"
+        "import eqxpar.distributed\n"
+        "def train():\n"
+        "    watchdog = eqxpar.distributed.Watchdog(1)\n"
+        "    for step in range(3):\n"
+        "        watchdog.step_finished(step)\n"
+        "    raise RuntimeError('out of data')\n"
+        "try:\n"
+        "    train()\n"
+        "except RuntimeError:\n"
+        "    pass\n"
+        "time.sleep(4)  # four timeouts, outside the loop that ended\n"
+        "print('still here', flush=True)\n"
+    ))
+    assert done.returncode == 0 and "still here" in done.stdout, done.stderr
+    assert "watchdog" not in done.stderr, done.stderr
