@@ -123,7 +123,7 @@ def main(argv=None) -> list:
                 print(_row(rows[-1]), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(config={k: v for k, v in vars(args).items()}, device=device.device_kind, rows=rows), f,
+            json.dump(dict(config=dict(vars(args)), device=device.device_kind, rows=rows), f,
                       indent=1)
     return rows
 

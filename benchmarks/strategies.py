@@ -184,7 +184,10 @@ def main(argv=None) -> dict:
         theory_bytes = run["theory"].bytes()
         lowered = sum(r.lowered for r in comparison.rows)
         compiled = sum(r.compiled for r in comparison.rows)
-        ratio = lambda m: "-" if theory_bytes == 0 and m == 0 else f"{m / theory_bytes:.3f}"  # noqa: E731
+
+        def ratio(m, theory_bytes=theory_bytes):
+            return "-" if theory_bytes == 0 and m == 0 else f"{m / theory_bytes:.3f}"
+
         state_ratio = memory.state / state_single
         results[name] = dict(
             step_ms=t * 1e3, time_ratio=t / t_single, comm_lowered=lowered, comm_compiled=compiled,

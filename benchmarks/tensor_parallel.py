@@ -91,9 +91,11 @@ def main(argv=None):
         f"GPT vocab={args.vocab} dim={args.dim} heads={args.heads} layers={args.layers}, "
         f"batch={args.batch} x tokens={args.tokens}, float32\n"
     )
-    head = f"{'model N':>7}  {'params/device':>14}  {'vs dense':>8}  {'ideal 1/N':>9}  " \
-           f"{'all-reduce bytes/step':>21}  {'formula':>11}  {'measured/formula':>16}  {'all-reduces':>11}  " \
-           f"{'temp bytes/device':>17}"
+    head = (
+        f"{'model N':>7}  {'params/device':>14}  {'vs dense':>8}  {'ideal 1/N':>9}  "
+        f"{'all-reduce bytes/step':>21}  {'formula':>11}  {'measured/formula':>16}  {'all-reduces':>11}  "
+        f"{'temp bytes/device':>17}"
+    )
     print(head)
     print("-" * len(head))
     for n, r in results.items():

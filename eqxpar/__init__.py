@@ -40,6 +40,12 @@ __all__ = [
     "validate_spec",
     "communication_report",
     "memory_report",
+    # Submodules: the layers, train steps, models, inspection and multi-host start-up.
+    "distributed",
+    "inspect",
+    "models",
+    "nn",
+    "train",
 ]
 
 # Submodules whose dependencies are optional extras load on first use, so that a plain

@@ -89,7 +89,7 @@ def _bounded(fn: Callable[[], Any], timeout_s: float) -> tuple[bool, Any]:
     def run():
         try:
             result.append((True, fn()))
-        except BaseException as e:  # noqa: BLE001 - reported to the caller
+        except BaseException as e:  # reported to the caller
             result.append((False, e))
 
     thread = threading.Thread(target=run, name="eqxpar-failfast-call", daemon=True)
@@ -112,7 +112,7 @@ def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except Exception:  # noqa: BLE001 - a closed stream must not stop the exit
+        except Exception:  # a closed stream must not stop the exit
             pass
 
 
@@ -130,7 +130,7 @@ class _FailFast:
         _flush()
         try:
             sys.stderr.write(message + "\n")
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
         _flush()
 
@@ -141,7 +141,7 @@ class _FailFast:
             self._say(f"{self.tag} {what}; ending the whole job (traceback follows).")
             try:
                 print_traceback()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
             hint = ""
             if any(word in summary.lower() for word in ("gloo", "connection", "socket", "nccl")):
@@ -170,7 +170,7 @@ class _FailFast:
         try:
             self.client.key_value_set(FAILURE_KEY, text)
             return None
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             if "ALREADY_EXISTS" not in str(e):
                 return None
             return self.client.key_value_try_get(FAILURE_KEY)
@@ -208,7 +208,7 @@ class _FailFast:
         only 0, waits until the others read it (the stalled-job case: they print where
         they wait before our exit breaks their collectives and moves their main threads)."""
         with self.lock:
-            ok, earlier = _bounded(lambda: self._record(reason), 5.0)
+            ok, earlier = _bounded(lambda reason=reason: self._record(reason), 5.0)
             if ok and earlier:
                 self._say(f"{self.tag} stops because {earlier}. Exiting with status {EXIT_PEER_FAILED}.")
                 os._exit(EXIT_PEER_FAILED)
@@ -235,7 +235,7 @@ class _FailFast:
             asked = time.monotonic()
             try:
                 text = self.client.blocking_key_value_get(FAILURE_KEY, int(self.poll_s * 1000))
-            except Exception as e:  # noqa: BLE001 - every error is examined below
+            except Exception as e:  # every error is examined below
                 if self.stopping.is_set() or distributed_client() is not self.client:
                     return  # normal exit, or the script called jax.distributed.shutdown()
                 if "DEADLINE_EXCEEDED" in str(e) or time.monotonic() - asked >= 0.9 * self.poll_s:
@@ -287,7 +287,7 @@ class _FailFast:
                     with self.lock:
                         reason = f"process {self.pid} was interrupted (SIGINT twice)"
                         self._say(f"{self.tag}: interrupted (SIGINT twice); ending the whole job.")
-                        _bounded(lambda: self._record(reason), 5.0)
+                        _bounded(lambda reason=reason: self._record(reason), 5.0)
                         if self.pid == 0:
                             self._wait_until_seen(3.0)
                         os._exit(130)
@@ -323,7 +323,7 @@ class _FailFast:
             f"runs out of data should raise, not exit), or they hang"
         )
         with self.lock:
-            _bounded(lambda: self._record(reason), 5.0)
+            _bounded(lambda reason=reason: self._record(reason), 5.0)
             self._say(f"eqxpar: {reason}. Ending the job: exiting with status 1.")
             if self.pid == 0:
                 self._wait_until_seen(3.0)

@@ -64,6 +64,8 @@ def test_context_parallel_gpt_equals_one_device(shape, mode, seed):
         model, opt_state, metrics = step(model, opt_state, batch)
         np.testing.assert_allclose(float(metrics["loss"]), loss, rtol=2e-5)
         np.testing.assert_allclose(float(metrics["grad_norm"]), norm, rtol=1e-4)
-    arrays = lambda m: jax.tree.leaves(eqx.filter(m, eqx.is_array))
+    def arrays(m):
+        return jax.tree.leaves(eqx.filter(m, eqx.is_array))
+
     for got, ref in zip(arrays(model), arrays(ref_model)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-4, atol=3e-5)

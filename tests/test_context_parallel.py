@@ -70,7 +70,9 @@ def context_loss(mode, layout, causal):
     def loss_fn(model, batch, key=None):
         inputs, targets = batch  # this device's part of every sequence, in `layout` order
         positions = context_positions(inputs.shape[-1], "context", layout)
-        attend = lambda q, k, v: attention(q, k, v, axis_name="context", causal=causal, layout=layout)
+        def attend(q, k, v):
+            return attention(q, k, v, axis_name="context", causal=causal, layout=layout)
+
         return cross_entropy(model(inputs, positions, attend), targets)
 
     return loss_fn

@@ -60,7 +60,7 @@ def reference_step(model, state, opt_state, batch, grad_accum):
     micro-batch."""
     losses, grads = [], []
     for k in range(grad_accum):
-        micro = jax.tree.map(lambda a: a[k::grad_accum], batch)
+        micro = jax.tree.map(lambda a, k=k: a[k::grad_accum], batch)
         (loss, state), g = eqx.filter_value_and_grad(loss_fn, has_aux=True)(model, state, micro, None)
         losses.append(loss)
         grads.append(g)

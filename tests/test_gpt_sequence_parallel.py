@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _budget import examples
 from hypothesis import example, given
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
@@ -24,7 +25,6 @@ import eqxpar
 from eqxpar.inspect import CommReport, context_parallel_theory, data_parallel_theory
 from eqxpar.models import GPT, gpt_tensor_parallel_theory, next_token_loss
 from eqxpar.nn import layout_order, vocab_parallel_cross_entropy
-from _budget import examples
 
 VOCAB, SEQ, DIM, HEADS, BATCH, STEPS = 7, 16, 8, 4, 4, 2
 CONTEXT_MODES = ("ring", "all_gather")
@@ -57,10 +57,12 @@ def build(shape, attention_impl, model, optimizer):
     if context:
         step = eqxpar.train.hybrid_step(split_loss, optimizer, mesh, batch_axis="data", context_axis="context")
         order = layout_order(SEQ, shape["context"], "zigzag")
-        place = lambda t: eqxpar.shard((t[:, :-1][:, order], t[:, 1:][:, order]), mesh, P("data", "context"))
+        def place(t):
+            return eqxpar.shard((t[:, :-1][:, order], t[:, 1:][:, order]), mesh, P("data", "context"))
     else:
         step = eqxpar.train.hybrid_step(whole_loss, optimizer, mesh, batch_axis="data")
-        place = lambda t: t
+        def place(t):
+            return t
     return mesh, step, place
 
 
@@ -129,7 +131,8 @@ def test_sequence_parallel_gpt_equals_one_device(shape, mode, dense_attention, d
     np.testing.assert_allclose([n for _, n in got], [n for _, n in want], rtol=1e-4)
     if scan_layers:
         got_model = eqxpar.models.unstack_blocks(got_model)
-    arrays = lambda m: jax.tree.leaves(eqx.filter(m, eqx.is_array))
+    def arrays(m):
+        return jax.tree.leaves(eqx.filter(m, eqx.is_array))
     for a, b in zip(arrays(got_model), arrays(ref_model), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=3e-5)
 

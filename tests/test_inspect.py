@@ -95,15 +95,21 @@ def test_hlo_text_parsing_async_pairs_and_groups():
     hlo = "\n".join(
         [
             "  %p = f32[16,8]{1,0} parameter(0)",
-            "  %ars = f32[16,8]{1,0} all-reduce-start(f32[16,8]{1,0} %p), channel_id=1, "
-            "replica_groups=[2,4]<=[8], use_global_device_ids=true, to_apply=%add",
+            (
+                "  %ars = f32[16,8]{1,0} all-reduce-start(f32[16,8]{1,0} %p), channel_id=1, "
+                "replica_groups=[2,4]<=[8], use_global_device_ids=true, to_apply=%add"
+            ),
             "  %ard = f32[16,8]{1,0} all-reduce-done(f32[16,8]{1,0} %ars)",
-            "  %ag = (bf16[4]{0}, bf16[16]{0}) all-gather(bf16[4]{0} %a, bf16[4]{0} %b), "
-            "replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}",
+            (
+                "  %ag = (bf16[4]{0}, bf16[16]{0}) all-gather(bf16[4]{0} %a, bf16[4]{0} %b), "
+                "replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}"
+            ),
             "  ROOT %cp = s32[3]{0} collective-permute(s32[3]{0} %c), source_target_pairs={{0,1},{1,0}}",
             # A combined all-reduce of six arrays: XLA marks every fifth tuple element.
-            "  %comb = (f32[1]{0}, f32[2]{0}, f32[3]{0}, f32[4]{0}, f32[5]{0}, /*index=5*/f32[6]{0:S(1)}) "
-            "all-reduce(%a, %b, %c, %d, %e, /*index=5*/%f), replica_groups={{0,1}}, to_apply=%add",
+            (
+                "  %comb = (f32[1]{0}, f32[2]{0}, f32[3]{0}, f32[4]{0}, f32[5]{0}, /*index=5*/f32[6]{0:S(1)}) "
+                "all-reduce(%a, %b, %c, %d, %e, /*index=5*/%f), replica_groups={{0,1}}, to_apply=%add"
+            ),
             "  %add.1 = f32[] add(f32[] %x, f32[] %y)",
         ]
     )

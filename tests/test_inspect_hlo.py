@@ -232,4 +232,4 @@ def test_the_gpt_theory_lives_beside_the_gpt():
 
     assert callable(eqxpar.models.gpt_tensor_parallel_theory)
     with pytest.raises(AttributeError, match="eqxpar.models.gpt_tensor_parallel_theory"):
-        eqxpar.inspect.gpt_tensor_parallel_theory
+        _ = eqxpar.inspect.gpt_tensor_parallel_theory

@@ -52,7 +52,9 @@ def test_layer_norm_equals_eqx_and_autodiff(lead, dim, use_weight, use_bias, see
     x = 3 * jax.random.normal(jax.random.key(seed + 1), (*lead, dim)) + 1
     np.testing.assert_array_equal(layer_norm(norm, x), _plain(norm, x))
     cotangent = jax.random.normal(jax.random.key(seed + 2), x.shape)
-    loss = lambda f: lambda n, x: jnp.sum(f(n, x) * cotangent)
+    def loss(f):
+        return lambda n, x: jnp.sum(f(n, x) * cotangent)
+
     got = jax.grad(loss(layer_norm), argnums=(0, 1))(norm, x)
     want = jax.grad(loss(_plain), argnums=(0, 1))(norm, x)
     # Gradients are O(1) (unit cotangents, deviation 3); atol covers float32 rounding of

@@ -11,18 +11,17 @@ import functools
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _budget import examples
+from _gpt_reference import loss_fn, reference_value_and_grad, tiny_gpt, token_batch
 from hypothesis import given
 from hypothesis import strategies as st
 
 import eqxpar
-from _gpt_reference import loss_fn, reference_value_and_grad, tiny_gpt, token_batch
 from eqxpar.testing import assert_trees_close, mesh_sizes
 from eqxpar.train import data_parallel_step, fsdp_step, hybrid_step, shard_batch
-from _budget import examples
 
 # Clipping must bite: the tiny GPT's first gradients have norms around 1-3. AdamW's eps is
 # 1e-3, not 1e-8: with a tiny eps Adam's first update is lr * sign(g) for entries whose

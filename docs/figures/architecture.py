@@ -204,7 +204,7 @@ def _positions(
     the mean position of what they import, which keeps arrows from crossing needlessly."""
     centres: dict[str, tuple[float, float]] = {}
     for i, (_, parts) in enumerate(LAYERS):
-        def key(part: str, order=list(parts)) -> tuple[float, int]:
+        def key(part: str, order=tuple(parts)) -> tuple[float, int]:
             xs = [centres[b][0] for a, b in edges if a == part and b in centres]
             return (sum(xs) / len(xs) if xs else width, order.index(part))
 

@@ -189,7 +189,7 @@ def two_hosts() -> None:
         procs = ", ".join(str(p) for p in sorted({p for _, p in row}))
         ax.add_patch(FancyBboxPatch((-0.3, (1 - d) * 2.1 - 0.25), 9.6, 1.85, boxstyle="round,pad=0.05", fc="#f3f3f3", ec="#888888", lw=1.5))
         ax.text(-0.5, (1 - d) * 2.1 + 0.65, f"process {procs}\n(host {procs})", ha="right", va="center", weight="bold")
-        for m, (device_id, p) in enumerate(row):
+        for m, (device_id, _) in enumerate(row):
             x, y = m * 2.3, (1 - d) * 2.1
             ax.add_patch(FancyBboxPatch((x, y), 2.0, 1.3, boxstyle="round,pad=0.02", fc=DATA_COLORS[d], ec=MODEL_COLORS[m], lw=3))
             ax.text(x + 1.0, y + 0.85, f"device {device_id}", ha="center", weight="bold")
@@ -368,7 +368,9 @@ def sequence_parallel_positions() -> None:
         order = eqxpar.nn.layout_order(length, contexts, "zigzag") if contexts > 1 else jnp.arange(length)
         tokens = jnp.asarray(order)[None]  # one sequence whose ids are its positions, in the devices' layout
 
-        def held(embedding, tokens):  # the positions this device's residual stream holds, gathered to all
+        # the positions this device's residual stream holds, gathered to all (mesh and
+        # sequence_parallel bound as defaults: ruff B023)
+        def held(embedding, tokens, mesh=mesh, sequence_parallel=sequence_parallel):
             x = embedding(tokens, sequence_dim=-1 if sequence_parallel else None)[..., 0]
             return jax.lax.all_gather(x, tuple(mesh.axis_names))
 

@@ -109,7 +109,7 @@ def _explicit_styles(plan: Mapping, model: Any, nodes: list) -> tuple[dict, set]
     unit_set = set(unit_paths)
     by_path = dict(nodes)
     styles: dict = {}
-    for key, style, paths in resolved:
+    for _key, style, paths in resolved:
         for p in paths:
             node = by_path[p]
             if p in unit_set:
