@@ -128,9 +128,18 @@ def main(argv=None) -> dict:
         grad_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
         reduces_ours, reduces_theirs = all_reduces(hlo_ours), all_reduces(hlo_theirs)
         n_params = sum(x.size for x in jax.tree.leaves(params))
-        print(f"{name}: MLP {features}-{'-'.join([str(width)] * depth)}-{classes}, {n_params:,} parameters, global batch {batch_size}, {repeats} timed steps each")
-        print(f"  median step: eqxpar {med['eqxpar'] * 1e3:8.3f} ms   jax.jit {med['jax.jit'] * 1e3:8.3f} ms   ratio {ratio:.3f} (target <= 1.05)")
-        print(f"  all-reduces per step: eqxpar {len(reduces_ours)} carrying {sum(reduces_ours):,} bytes; jax.jit {len(reduces_theirs)} carrying {sum(reduces_theirs):,} bytes")
+        print(
+            f"{name}: MLP {features}-{'-'.join([str(width)] * depth)}-{classes}, {n_params:,} parameters, "
+            f"global batch {batch_size}, {repeats} timed steps each"
+        )
+        print(
+            f"  median step: eqxpar {med['eqxpar'] * 1e3:8.3f} ms   jax.jit {med['jax.jit'] * 1e3:8.3f} ms   "
+            f"ratio {ratio:.3f} (target <= 1.05)"
+        )
+        print(
+            f"  all-reduces per step: eqxpar {len(reduces_ours)} carrying {sum(reduces_ours):,} bytes; "
+            f"jax.jit {len(reduces_theirs)} carrying {sum(reduces_theirs):,} bytes"
+        )
         print(f"  gradient bytes {grad_bytes:,} (+ 4 for the loss = {grad_bytes + 4:,})\n")
         results[name] = {
             "median_s": med,

@@ -227,7 +227,8 @@ def main(argv=None) -> dict:
             else "the compiled program gathers neither exactly once nor exactly twice"
         )
         print(
-            f"\n{run['strategy'].name}: all-gather bytes lowered {c.ratio('all-gather', stage='lowered'):.3f} x theory, "
+            f"\n{run['strategy'].name}: all-gather bytes lowered "
+            f"{c.ratio('all-gather', stage='lowered'):.3f} x theory, "
             f"which counts {again:,} B of weights gathered again for the backward pass; compiled "
             f"{c.ratio('all-gather'):.3f} x: {verdict}."
         )

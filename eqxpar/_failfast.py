@@ -364,8 +364,9 @@ def install_fail_fast(client: Any, process_id: int, num_processes: int, address:
     """Make any failure of this process end the whole job, and a peer's failure end this one.
 
     Installs the exception hooks, the watchdog thread, the interrupt watch (only when called
-    from the main thread) and the watched finish described in this module's docstring. [`eqxpar.distributed.initialize`][] calls it for every multi-process
-    run; calling it again does nothing.
+    from the main thread) and the watched finish described in this module's docstring.
+    [`eqxpar.distributed.initialize`][] calls it for every multi-process run; calling it
+    again does nothing.
 
     **Arguments:**
 

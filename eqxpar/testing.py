@@ -188,7 +188,8 @@ def _leaf_errors(actual: PyTree, expected: PyTree, rtol: float, atol: float) -> 
         used = np.where(np.isnan(used), np.inf, used)  # a NaN on either side counts as off
         i = np.unravel_index(np.argmax(used), used.shape)
         bad = int(np.sum(used > 1))
-        detail = f"{bad}/{used.size} entries off; worst at {tuple(int(j) for j in i)}: parallel {a64[i]:.8g}, dense {e64[i]:.8g}"
+        worst = tuple(int(j) for j in i)
+        detail = f"{bad}/{used.size} entries off; worst at {worst}: parallel {a64[i]:.8g}, dense {e64[i]:.8g}"
         rows.append((path_str(path), float(used[i]), not bad, detail))
     return rows
 

@@ -457,9 +457,21 @@ def test_mismatched_targets_name_the_first_differing_leaf(tmp_path):
     half = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if eqx.is_array(x) and x.dtype == jnp.float32 else x, saved)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if eqx.is_array(x) else x, saved)
     cases = [
-        (wider, r"leaf \['adam'\]\[0\]\.mu\.mlp\.layers\[0\]\.weight differs: saved shape \(8, 4\) float32, target shape \(16, 4\) float32"),
-        (no_adam, r"differ in structure at leaf 0: the checkpoint has \['adam'\]\[0\]\.count \(shape \(\) int32\) where the target has \['key'\]"),
-        (half, r"\['adam'\]\[0\]\.mu\.mlp\.layers\[0\]\.weight differs: saved shape \(8, 4\) float32, target shape \(8, 4\) bfloat16"),
+        (
+            wider,
+            r"leaf \['adam'\]\[0\]\.mu\.mlp\.layers\[0\]\.weight differs: "
+            r"saved shape \(8, 4\) float32, target shape \(16, 4\) float32",
+        ),
+        (
+            no_adam,
+            r"differ in structure at leaf 0: the checkpoint has \['adam'\]\[0\]\.count \(shape \(\) int32\) "
+            r"where the target has \['key'\]",
+        ),
+        (
+            half,
+            r"\['adam'\]\[0\]\.mu\.mlp\.layers\[0\]\.weight differs: "
+            r"saved shape \(8, 4\) float32, target shape \(8, 4\) bfloat16",
+        ),
         (abstract, r"ShapeDtypeStruct without a sharding"),
     ]
     with Checkpointer(tmp_path) as ckpt:

@@ -83,7 +83,11 @@ def test_auto_plan_table_and_mapping():
     assert dict(eqxpar.nn.auto_plan(model)) == dict(plan)
     table = str(plan)
     assert "split over model=4" in table
-    assert re.search(r"blocks\[1\]\.attention\s+MultiheadAttention\(4 heads, 8->8\)\s+attention\s+num_heads=4 -> 1 per device\s+all-reduce\s+all-reduce", table)
+    assert re.search(
+        r"blocks\[1\]\.attention\s+MultiheadAttention\(4 heads, 8->8\)\s+attention\s+"
+        r"num_heads=4 -> 1 per device\s+all-reduce\s+all-reduce",
+        table,
+    )
     assert isinstance(parallel.blocks[1].mlp, eqxpar.nn.ParallelMLP)
     assert isinstance(parallel.head, eqx.nn.Linear)
     # The layers share the dense model's arrays, and to_dense gives the model back.

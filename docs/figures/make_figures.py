@@ -113,8 +113,14 @@ def column_row() -> None:
     mesh = eqxpar.make_mesh(model=4)
     key = jax.random.key(0)
     layers = {
-        "ColumnParallelLinear(8, 16): output features split\n(x whole on every device -> y split; no collective)": eqxpar.nn.ColumnParallelLinear(8, 16, key=key),
-        "RowParallelLinear(16, 8): input features split\n(x split -> each device's partial W x -> psum)": eqxpar.nn.RowParallelLinear(16, 8, key=key),
+        (
+            "ColumnParallelLinear(8, 16): output features split\n"
+            "(x whole on every device -> y split; no collective)"
+        ): eqxpar.nn.ColumnParallelLinear(8, 16, key=key),
+        (
+            "RowParallelLinear(16, 8): input features split\n"
+            "(x split -> each device's partial W x -> psum)"
+        ): eqxpar.nn.RowParallelLinear(16, 8, key=key),
     }
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
     for ax, (title, layer) in zip(axes, layers.items()):

@@ -83,7 +83,8 @@ def compiled_flops(compiled: Any) -> float | None:
     inner = unwrap(compiled, "compiled")
     if not isinstance(inner, jax.stages.Compiled):
         raise ValueError(
-            f"compiled_flops: expected a compiled program (jax.jit(f).lower(...).compile()), got {type(compiled).__name__}."
+            "compiled_flops: expected a compiled program (jax.jit(f).lower(...).compile()), "
+            f"got {type(compiled).__name__}."
         )
     analysis = inner.cost_analysis()
     if analysis is None:

@@ -195,8 +195,9 @@ def fsdp_theory(
     over `batch_axis` need an all-reduce of their gradient instead. With `regathered`, the
     parameters gathered again in the backward pass (remat) count a second all-gather.
 
-    With `metrics`, the step's reported numbers too: the loss (4 bytes over `batch_axis`) and the gradient norm (a 4-byte partial sum of squares for each set of
-    axes the specs split parameters over, as `fsdp_step` groups them: `("model", "fsdp")`
+    With `metrics`, the step's reported numbers too: the loss (4 bytes over `batch_axis`)
+    and the gradient norm (a 4-byte partial sum of squares for each set of axes the specs
+    split parameters over, as `fsdp_step` groups them: `("model", "fsdp")`
     and `("fsdp", "model")` are two sets).
 
     For tensor parallelism on the same mesh add

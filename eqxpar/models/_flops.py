@@ -58,7 +58,8 @@ def gpt_flops_per_token(model, seq_len: int | None = None, *, backward: bool = T
     seq_len = model.context_length if seq_len is None else seq_len
     if not isinstance(seq_len, int) or not 0 < seq_len <= model.context_length:
         raise ValueError(
-            f"gpt_flops_per_token: seq_len must be an integer in 1..{model.context_length} (the context), got {seq_len!r}."
+            f"gpt_flops_per_token: seq_len must be an integer in 1..{model.context_length} (the context), "
+            f"got {seq_len!r}."
         )
     blocks = model.blocks.unstack() if model.scan_layers else model.blocks
     attention = blocks[0].attention

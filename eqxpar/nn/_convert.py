@@ -104,7 +104,7 @@ def from_dense(
 
     - `ValueError` for a layer type with no tensor-parallel form, or an `eqx.nn.Linear`
       without `linear="column"` / `"row"`.
-    """
+    """  # noqa: E501 - a markdown table row cannot wrap
     if isinstance(layer, eqx.nn.Linear):
         if linear == "column":
             return ColumnParallelLinear.from_dense(layer, axis_name=axis_name, **options)

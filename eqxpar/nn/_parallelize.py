@@ -70,7 +70,10 @@ def _fit_problem(style: str, node: Any) -> str | None:
     if isinstance(node, eqx.nn.MLP):
         problem = _mlp_problem(node)
         if problem is not None:
-            return f"style 'mlp' needs a depth=1 MLP with vector input and output and parameter-free activations; this one has {problem}"
+            return (
+                "style 'mlp' needs a depth=1 MLP with vector input and output and parameter-free "
+                f"activations; this one has {problem}"
+            )
     return None
 
 
@@ -181,12 +184,12 @@ def parallelize(
 
     | style | takes | becomes | forward / backward over the model axis |
     |---|---|---|---|
-    | `"attention"` | `eqx.nn.MultiheadAttention` | [`ParallelMultiheadAttention`][eqxpar.nn.ParallelMultiheadAttention] (heads split) | all-reduce / all-reduce |
-    | `"mlp"` | `eqx.nn.MLP`, `depth=1` | [`ParallelMLP`][eqxpar.nn.ParallelMLP] (hidden units split) | all-reduce / all-reduce |
-    | `"vocab"` | `eqx.nn.Embedding` | [`VocabParallelEmbedding`][eqxpar.nn.VocabParallelEmbedding] (rows split) | all-reduce / none |
-    | `"column"` | `eqx.nn.Linear` | [`ColumnParallelLinear`][eqxpar.nn.ColumnParallelLinear], output left split | none / all-reduce |
+    | `"attention"` | `eqx.nn.MultiheadAttention` | [`eqxpar.nn.ParallelMultiheadAttention`][] (heads split) | all-reduce / all-reduce |
+    | `"mlp"` | `eqx.nn.MLP`, `depth=1` | [`eqxpar.nn.ParallelMLP`][] (hidden units split) | all-reduce / all-reduce |
+    | `"vocab"` | `eqx.nn.Embedding` | [`eqxpar.nn.VocabParallelEmbedding`][] (rows split) | all-reduce / none |
+    | `"column"` | `eqx.nn.Linear` | [`eqxpar.nn.ColumnParallelLinear`][], output left split | none / all-reduce |
     | `"column_gathered"` | `eqx.nn.Linear` | the same, output all-gathered | all-gather / all-reduce |
-    | `"row"` | `eqx.nn.Linear` | [`RowParallelLinear`][eqxpar.nn.RowParallelLinear] after a `"column"` | all-reduce / none |
+    | `"row"` | `eqx.nn.Linear` | [`eqxpar.nn.RowParallelLinear`][] after a `"column"` | all-reduce / none |
     | `"replicate"` | anything | unchanged: a whole copy on every device | none / none |
 
     A `"column"` layer must be followed by a `"row"` layer of matching width (a pair, as
@@ -221,7 +224,7 @@ def parallelize(
       a style that does not fit the layer, overlapping entries, a `"row"` layer without a
       `"column"` one before it (or a `"column"` layer whose split output would reach a layer
       that wants it whole), and with `mesh` a size the model axis does not divide.
-    """
+    """  # noqa: E501 - a markdown table row cannot wrap
     if mesh is not None:
         if not isinstance(mesh, Mesh):
             raise ValueError(f"parallelize: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")

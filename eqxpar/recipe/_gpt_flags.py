@@ -37,7 +37,7 @@ class GPTFlags:
     config: str = "custom"  # a named GPT size (10m, 124m, 1.3b) in place of --context/--dim/--heads/--layers; custom: those flags
     dtype: str = "float32"  # compute dtype: float32, or bfloat16 (float32 master weights, float32 gradient sums)
     attention: str = "dot_product"  # dot_product (jax.nn.dot_product_attention, cuDNN flash attention on GPU) or reference
-    remat: str = "none"  # what the backward pass recomputes: none, block, save_matmuls, or offload (matmul outputs kept in host memory; GPU/TPU)
+    remat: str = "none"  # what backward recomputes: none, block, save_matmuls, offload (matmuls kept on host; GPU/TPU)
     scan_layers: bool = False  # stack the blocks and run them with jax.lax.scan (one compiled block at any depth)
 
     def precision(self):

@@ -175,7 +175,10 @@ def pipeline_step(
     """
     who = "pipeline_step"
     if not isinstance(stages, Stages):
-        raise ValueError(f"{who}: stages must be an eqxpar.train.Stages (e.g. eqxpar.models.gpt_stages()), got {type(stages).__name__}.")
+        raise ValueError(
+            f"{who}: stages must be an eqxpar.train.Stages (e.g. eqxpar.models.gpt_stages()), "
+            f"got {type(stages).__name__}."
+        )
     if not isinstance(remat, bool):
         raise ValueError(f"{who}: remat must be True or False, got {remat!r}.")
     for name, value in (("microbatches", microbatches), ("virtual_stages", virtual_stages)):

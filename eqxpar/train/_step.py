@@ -138,7 +138,10 @@ class TrainStep:
         sig = ", ".join(names)
         unknown = set(kwargs) - set(names)
         if unknown or len(args) > len(names):
-            raise ValueError(f"{self._who}: the step is called as step({sig}); got {len(args)} positional arguments and keywords {sorted(kwargs)}.")
+            raise ValueError(
+                f"{self._who}: the step is called as step({sig}); "
+                f"got {len(args)} positional arguments and keywords {sorted(kwargs)}."
+            )
         bound = dict(zip(names, args))
         for name, value in kwargs.items():
             if name in bound:
