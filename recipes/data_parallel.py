@@ -21,6 +21,7 @@ Run (no accelerator needed: 8 CPU devices are simulated):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import equinox as eqx
@@ -37,7 +38,7 @@ from eqxpar.train import data_parallel_step, shard_batch
 
 
 @dataclasses.dataclass
-class Config(eqxpar.recipe.CheckpointFlags):  # + --checkpoint-dir, --checkpoint-every, --resume
+class Config(eqxpar.recipe.CheckpointFlags, eqxpar.recipe.LogFlags):  # + checkpoint flags, --log-dir, --log-every
     devices: int = 8  # simulated CPU devices when there is no accelerator
     mesh: str = "auto"  # a `data` axis, e.g. data=4; auto: as many devices as divide the batch
     steps: int = 500  # training steps
@@ -48,6 +49,7 @@ class Config(eqxpar.recipe.CheckpointFlags):  # + --checkpoint-dir, --checkpoint
     width: int = 128  # hidden layer width
     seed: int = 0  # seeds the model and the batch order
     metrics_out: str | None = None  # write the results as JSON here
+    eval_every: int = 0  # test accuracy every N steps (printed, and in --log-dir); 0: only at the end
 
 
 # --- Model and loss -------------------------------------------------------------------------
@@ -117,6 +119,12 @@ def main(argv=None) -> dict:
     # run trains exactly as the run that was interrupted would have.
     (model, opt_state), first_step, _ = ckpt.restore((model, opt_state))
 
+    # --log-dir: metrics every --log-every steps, TensorBoard events, config.json.
+    run_log = eqxpar.recipe.RunLog.from_config(cfg, items_per_step=cfg.batch_size, items="examples")
+
+    def accuracy(model) -> float:  # on the held-out digits: every --eval-every steps, and at the end
+        return float(np.mean(np.asarray(predict(model, data.x_test)) == data.y_test))
+
     start = time.perf_counter()
     metrics = None
     bar = eqxpar.recipe.progress(eqxpar.recipe.steps_to_run(first_step, cfg.steps), desc=f"data parallel ({cfg.mesh})")
@@ -127,17 +135,21 @@ def main(argv=None) -> dict:
         # Each device receives its slice of the global batch straight from the host.
         batch = shard_batch((data.x_train[rows], data.y_train[rows]), mesh, batch_axis="data")
         model, opt_state, metrics = step(model, opt_state, batch)
+        run_log.step(i, metrics)
+        run_log.maybe_eval(i, test_accuracy=functools.partial(accuracy, model))
         if i % 20 == 0 or i == cfg.steps - 1:
             bar.set_postfix(loss=f"{float(metrics['loss']):.4f}", refresh=False)
         ckpt.maybe_save(i + 1, (model, opt_state), force=i + 1 == cfg.steps)
     ckpt.close()
+    run_log.close()
     seconds = time.perf_counter() - start
 
     final_loss = float(metrics["loss"]) if metrics is not None else None  # None (null): no step run
-    test_accuracy = float(np.mean(np.asarray(predict(model, data.x_test)) == data.y_test))
+    test_accuracy = accuracy(model)
     result = {
         "final_loss": final_loss,
         "test_accuracy": test_accuracy,
+        "test_accuracies": run_log.evals,  # every --eval-every steps: {"step", "test_accuracy"}
         "steps": cfg.steps,
         "mesh": cfg.mesh,
         "devices": int(mesh.size),

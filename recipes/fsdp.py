@@ -40,7 +40,7 @@ from eqxpar.train import fsdp_specs, fsdp_step
 
 
 @dataclasses.dataclass
-class Config(eqxpar.recipe.CheckpointFlags):  # + --checkpoint-dir, --checkpoint-every, --resume
+class Config(eqxpar.recipe.CheckpointFlags, eqxpar.recipe.LogFlags):  # + checkpoint flags, --log-dir, --log-every
     devices: int = 8  # simulated CPU devices when there is no accelerator
     mesh: str = "auto"  # state and batch over `fsdp`, optionally layers over `model` (fsdp=2,model=4); auto: fit the devices
     steps: int = 400  # training steps
@@ -132,7 +132,10 @@ def main(argv=None) -> dict:
     (model, opt_state, train_key), first_step, history = ckpt.restore((model, opt_state, train_key))
     losses = history["losses"] if history else []
 
-    # --- Training loop. ---
+    # --- Training loop. --log-dir: metrics every --log-every steps, TensorBoard, config.json. ---
+    run_log = eqxpar.recipe.RunLog.from_config(
+        cfg, items_per_step=cfg.batch_size * cfg.context, flops_per_item=flops_per_token, n_devices=mesh.size
+    )
     throughput = eqxpar.recipe.Throughput(cfg.batch_size * cfg.context)  # tokens per second
     steps = eqxpar.recipe.steps_to_run(first_step, cfg.steps)  # none left: says so
     bar = eqxpar.recipe.progress(steps, desc=f"fsdp {cfg.mesh}{' remat' if cfg.remat else ''}")
@@ -140,10 +143,12 @@ def main(argv=None) -> dict:
         model, opt_state, metrics = step(model, opt_state, batch(i), jax.random.fold_in(train_key, i))
         losses.append(float(metrics["loss"]))
         throughput.tick()
+        run_log.step(i, metrics)
         if i % 10 == 0 or i == cfg.steps - 1:
             bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{throughput.per_second:,.0f}")
         ckpt.maybe_save(i + 1, (model, opt_state, train_key), data_state={"losses": losses}, force=i + 1 == cfg.steps)
     ckpt.close()
+    run_log.close()
     tokens_per_second = throughput.per_second
 
     metrics = {

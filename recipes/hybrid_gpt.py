@@ -24,6 +24,7 @@ same seed gives the same losses on any mesh (up to float rounding).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import equinox as eqx
@@ -42,7 +43,7 @@ from eqxpar.train import hybrid_step
 
 
 @dataclasses.dataclass
-class Config(eqxpar.recipe.CheckpointFlags, eqxpar.recipe.GPTFlags):  # + checkpoint flags, --config/--dtype/--attention/--remat/--scan-layers
+class Config(eqxpar.recipe.CheckpointFlags, eqxpar.recipe.LogFlags, eqxpar.recipe.GPTFlags):  # + their flags
     devices: int = 8  # simulated CPU devices when there is no accelerator
     mesh: str = "auto"  # batch split over `data`, layers over `model`, e.g. data=2,model=4; auto: fit the devices
     steps: int = 800  # training steps
@@ -55,6 +56,7 @@ class Config(eqxpar.recipe.CheckpointFlags, eqxpar.recipe.GPTFlags):  # + checkp
     seed: int = 0  # seeds the weights, the batches and the sample
     sample_chars: int = 200  # characters sampled at the end; 0: no sample
     metrics_out: str | None = None  # write the results as JSON here
+    eval_every: int = 0  # held-out loss every N steps (printed, and in --log-dir); 0: only at the end
 
 
 def check_flags(cfg: Config) -> Config:
@@ -131,27 +133,36 @@ def main(argv=None) -> dict:
     (model, opt_state, train_key), first_step, history = ckpt.restore((model, opt_state, train_key))
     losses = history["losses"] if history else []
 
-    # --- Training loop. ---
-    throughput = eqxpar.recipe.Throughput(cfg.batch_size * cfg.context)  # tokens per second
-    bar = eqxpar.recipe.progress(eqxpar.recipe.steps_to_run(first_step, cfg.steps), desc=f"hybrid {cfg.mesh}")
-    for i in bar:
-        model, opt_state, metrics = step(model, opt_state, batch(i), jax.random.fold_in(train_key, i))
-        losses.append(float(metrics["loss"]))  # waits for the step: honest timing
-        throughput.tick()
-        if i % 10 == 0 or i == cfg.steps - 1:
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{throughput.per_second:,.0f}")
-        ckpt.maybe_save(i + 1, (model, opt_state, train_key), data_state={"losses": losses}, force=i + 1 == cfg.steps)
-    ckpt.close()
-    tokens_per_second = throughput.per_second
-
-    # --- Final check: held-out loss, and a sample from the trained model. ---
+    # The held-out loss: every --eval-every steps, and at the end.
     evaluate = eqx.filter_jit(
         eqxpar.filter_shard_map(
             lambda model, tokens: next_token_loss(eqx.nn.inference_mode(model), tokens),
             mesh=mesh, in_specs=(specs, P()), out_specs=P(),
         )
     )
-    val_loss = float(evaluate(model, text_windows(val_ids, 64, cfg.context, seed=1234, step=0)))
+    val_tokens = text_windows(val_ids, 64, cfg.context, seed=1234, step=0)
+
+    # --- Training loop. --log-dir: metrics every --log-every steps, TensorBoard, config.json. ---
+    run_log = eqxpar.recipe.RunLog.from_config(
+        cfg, items_per_step=cfg.batch_size * cfg.context, flops_per_item=flops_per_token, n_devices=mesh.size
+    )
+    throughput = eqxpar.recipe.Throughput(cfg.batch_size * cfg.context)  # tokens per second
+    bar = eqxpar.recipe.progress(eqxpar.recipe.steps_to_run(first_step, cfg.steps), desc=f"hybrid {cfg.mesh}")
+    for i in bar:
+        model, opt_state, metrics = step(model, opt_state, batch(i), jax.random.fold_in(train_key, i))
+        losses.append(float(metrics["loss"]))  # waits for the step: honest timing
+        throughput.tick()
+        run_log.step(i, metrics)
+        run_log.maybe_eval(i, val_loss=functools.partial(evaluate, model, val_tokens))
+        if i % 10 == 0 or i == cfg.steps - 1:
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{throughput.per_second:,.0f}")
+        ckpt.maybe_save(i + 1, (model, opt_state, train_key), data_state={"losses": losses}, force=i + 1 == cfg.steps)
+    ckpt.close()
+    run_log.close()
+    tokens_per_second = throughput.per_second
+
+    # --- Final check: held-out loss, and a sample from the trained model. ---
+    val_loss = float(evaluate(model, val_tokens))
     sample = ""
     if cfg.sample_chars > 0:
         ids = generate(
@@ -169,6 +180,7 @@ def main(argv=None) -> dict:
         "final_loss": losses[-1],
         "final_loss_mean10": float(np.mean(losses[-10:])),
         "val_loss": val_loss,
+        "val_losses": run_log.evals,  # every --eval-every steps: {"step", "val_loss"}
         "uniform_loss": math.log(text.vocab_size),  # guessing every character equally
         # tokens_per_second, flops_per_token, flops_per_second, and the model FLOPs
         # utilisation against the chips' peak (mfu; null where the peak is unknown: CPU).

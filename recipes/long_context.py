@@ -44,7 +44,7 @@ MODES = ("ring", "all_gather")
 
 
 @dataclasses.dataclass
-class Config:
+class Config(eqxpar.recipe.LogFlags):  # + --log-dir, --log-every
     devices: int = 8  # simulated CPU devices when there is no accelerator
     mesh: str = "auto"  # data, context and model axes, e.g. data=2,context=2,model=2; auto: fit the devices
     attention: str = "ring"  # ring (K/V blocks passed around) or all_gather (K/V gathered once per layer)
@@ -157,13 +157,19 @@ def main(argv=None) -> dict:
         print(activations.versus(saved=saved_bytes, temporaries=temp_bytes))
         print(comparison if comparison.rows else "one device: no collectives")
 
-    # --- Training loop. ---
+    # --- Training loop. --log-dir: metrics every --log-every steps, TensorBoard, config.json. ---
+    run_log = eqxpar.recipe.RunLog.from_config(
+        cfg, items_per_step=cfg.batch_size * cfg.seq_len,
+        flops_per_item=eqxpar.models.gpt_flops_per_token(model), n_devices=mesh.size,
+    )
     losses = []
     bar = eqxpar.recipe.progress(range(cfg.steps), desc=f"long context {cfg.mesh} {cfg.attention}")
     for i in bar:
         model, opt_state, metrics = step(model, opt_state, batch(i))
         losses.append(float(metrics["loss"]))
+        run_log.step(i, metrics)
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    run_log.close()
 
     metrics = {
         "mesh": cfg.mesh,

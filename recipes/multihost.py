@@ -45,7 +45,7 @@ from eqxpar.train import data_parallel_step
 
 
 @dataclasses.dataclass
-class Config(eqxpar.recipe.CheckpointFlags):  # + --checkpoint-dir, --checkpoint-every, --resume
+class Config(eqxpar.recipe.CheckpointFlags, eqxpar.recipe.LogFlags):  # + checkpoint flags, --log-dir, --log-every
     devices: int = 8  # simulated CPU devices of this process (the launcher's --devices-per-proc wins)
     mesh: str = "auto"  # a `data` axis, e.g. data=4; auto: all devices of all processes that divide the batch
     steps: int = 300  # training steps
@@ -130,16 +130,20 @@ def main(argv=None) -> dict:
     #    function of (seed, i): a resumed run sees the batches the interrupted one would have.
     (model, opt_state), first_step, _ = ckpt.restore((model, opt_state))
 
+    # --log-dir (process 0 writes): metrics every --log-every steps, TensorBoard, config.json.
+    run_log = eqxpar.recipe.RunLog.from_config(cfg, items_per_step=cfg.batch_size, items="examples")
     start = time.perf_counter()
     metrics = None
     steps = eqxpar.recipe.steps_to_run(first_step, cfg.steps)  # none left: says so
     bar = eqxpar.recipe.progress(steps, desc=f"multihost ({info.num_processes} process(es))")
     for i in bar:
         model, opt_state, metrics = step(model, opt_state, load(i))
+        run_log.step(i, metrics)
         if i % 20 == 0 or i == cfg.steps - 1:
             bar.set_postfix(loss=f"{float(metrics['loss']):.4f}", refresh=False)
         ckpt.maybe_save(i + 1, (model, opt_state), force=i + 1 == cfg.steps)
     ckpt.close()
+    run_log.close()
     seconds = time.perf_counter() - start
 
     # The loss and the model are replicated on every device of every process, so every

@@ -39,7 +39,7 @@ from eqxpar.train import (
 
 
 @dataclasses.dataclass
-class Config:
+class Config(eqxpar.recipe.LogFlags):  # + --log-dir, --log-every
     devices: int = 8  # simulated CPU devices when there is no accelerator
     mesh: str = "auto"  # the stage axis splits the blocks, data the batch, e.g. stage=4,data=2 (optionally model=: tensor parallel in each stage); auto: fit the devices
     schedule: str = "gpipe"  # gpipe, circular or 1f1b
@@ -131,10 +131,17 @@ def main(argv=None) -> dict:
         print(f"ppermute bytes per device per step: theory {permute_theory:,} ({ticks}+{b_ticks} ticks x {activation:,}), "
               f"measured {permute_measured:,}; the compiled step's collective-permutes: {permute_compiled:,}")
 
+    # --log-dir: metrics every --log-every steps, TensorBoard events, config.json.
+    run_log = eqxpar.recipe.RunLog.from_config(
+        cfg, items_per_step=cfg.batch_size * cfg.context,
+        flops_per_item=eqxpar.models.gpt_flops_per_token(model), n_devices=mesh.size,
+    )
     losses = []
     for i in eqxpar.recipe.progress(range(cfg.steps), desc=f"pipeline {cfg.schedule}"):
         model, opt_state, metrics = step(model, opt_state, batch(i))
         losses.append(float(metrics["loss"]))
+        run_log.step(i, metrics)
+    run_log.close()
     metrics = {
         "mesh": cfg.mesh,
         "schedule": cfg.schedule,

@@ -43,7 +43,7 @@ from eqxpar.models import GPT, generate, next_token_loss
 
 
 @dataclasses.dataclass
-class Config(eqxpar.recipe.CheckpointFlags, eqxpar.recipe.GPTFlags):  # + checkpoint flags, --config/--dtype/--attention/--remat/--scan-layers
+class Config(eqxpar.recipe.CheckpointFlags, eqxpar.recipe.LogFlags, eqxpar.recipe.GPTFlags):  # + their flags
     devices: int = 8  # simulated CPU devices when there is no accelerator
     mesh: str = "auto"  # a `model` axis, e.g. model=4 (1/N of each big layer per device); auto: fit the devices
     steps: int = 600  # training steps
@@ -57,6 +57,7 @@ class Config(eqxpar.recipe.CheckpointFlags, eqxpar.recipe.GPTFlags):  # + checkp
     seed: int = 0  # seeds the weights, the batches and the sample
     sample_chars: int = 200  # characters sampled at the end; 0: no sample
     metrics_out: str | None = None  # write the results as JSON here
+    eval_every: int = 0  # held-out loss every N steps (printed, and in --log-dir); 0: only at the end
 
 
 def batch_of_windows(ids: np.ndarray, starts: np.ndarray, context: int) -> np.ndarray:
@@ -150,7 +151,16 @@ def main(argv=None) -> dict:
     train_step = lowered.compile()
     comm = CommReport.of(lowered, train_step)
 
+    # The held-out windows: the loss on them every --eval-every steps, and at the end.
+    val_rng = np.random.default_rng(1234)  # the same validation windows for every run
+    val_starts = val_rng.integers(0, len(val_ids) - cfg.context - 1, 64)
+    val_tokens = batch_of_windows(val_ids, val_starts, cfg.context)
+
     # --- Training loop. Batch and dropout key of each step depend on (seed, step) only. ---
+    # --log-dir: metrics every --log-every steps, TensorBoard events, config.json.
+    run_log = eqxpar.recipe.RunLog.from_config(
+        cfg, items_per_step=cfg.batch_size * cfg.context, flops_per_item=flops_per_token, n_devices=mesh.size
+    )
     throughput = eqxpar.recipe.Throughput(cfg.batch_size * cfg.context)  # tokens per second
     bar = eqxpar.recipe.progress(eqxpar.recipe.steps_to_run(first_step, cfg.steps), desc=f"tensor parallel {cfg.mesh}")
     for step in bar:
@@ -158,15 +168,16 @@ def main(argv=None) -> dict:
         model, opt_state, loss = train_step(model, opt_state, tokens, jax.random.fold_in(train_key, step))
         losses.append(float(loss))  # waits for the step: honest timing
         throughput.tick()
+        run_log.step(step, {"loss": loss})
+        run_log.maybe_eval(step, val_loss=functools.partial(evaluate, model, val_tokens))
         if step % 10 == 0 or step == cfg.steps - 1:
             bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{throughput.per_second:,.0f}")
         ckpt.maybe_save(step + 1, (model, opt_state, train_key), data_state={"losses": losses}, force=step + 1 == cfg.steps)
     ckpt.close()
+    run_log.close()
 
     # --- Final check: held-out loss, and a sample from the trained model. ---
-    val_rng = np.random.default_rng(1234)  # the same validation windows for every run
-    val_starts = val_rng.integers(0, len(val_ids) - cfg.context - 1, 64)
-    val_loss = float(evaluate(model, batch_of_windows(val_ids, val_starts, cfg.context)))
+    val_loss = float(evaluate(model, val_tokens))
 
     whole_logits = eqx.filter_jit(
         eqxpar.filter_shard_map(
@@ -186,6 +197,7 @@ def main(argv=None) -> dict:
         "final_loss": losses[-1],
         "final_loss_mean10": float(np.mean(losses[-10:])),
         "val_loss": val_loss,
+        "val_losses": run_log.evals,  # every --eval-every steps: {"step", "val_loss"}
         "uniform_loss": math.log(text.vocab_size),  # guessing every character equally
         "param_bytes_total": params.bytes_total,
         "param_bytes_per_device": params.bytes_per_device,

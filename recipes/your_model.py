@@ -20,6 +20,7 @@ Run it (8 simulated CPU devices when there is no accelerator):
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import equinox as eqx
 import jax
@@ -36,7 +37,7 @@ from eqxpar.train import hybrid_step
 
 
 @dataclasses.dataclass
-class Config:
+class Config(eqxpar.recipe.LogFlags):  # + --log-dir (a folder per part), --log-every
     devices: int = 8  # simulated CPU devices when there is no accelerator
     mesh: str = "auto"  # batch split over `data`, layers over `model`, e.g. data=2,model=4; auto: fit the devices
     steps: int = 200  # training steps (each part)
@@ -133,7 +134,10 @@ def main(argv=None) -> dict:
         return text_windows(text.ids, cfg.batch_size, cfg.context, seed=cfg.seed, step=i)
 
     def train(parallel, loss, title):
-        """The standard hybrid step: tensor-parallel over `model`, the batch over `data`."""
+        """The standard hybrid step: tensor-parallel over `model`, the batch over `data`;
+        with --log-dir, its records in a folder of their own (auto_plan/, split_head/)."""
+        where = None if cfg.log_dir is None else os.path.join(cfg.log_dir, title.replace(" ", "_"))
+        run_log = eqxpar.recipe.RunLog.from_config(cfg, log_dir=where, items_per_step=cfg.batch_size * cfg.context)
         step = hybrid_step(loss, optimizer, mesh, param_specs=eqxpar.nn.partition_specs(parallel, mesh))
         parallel, opt_state = step.init(parallel)
         comm = eqxpar.communication_report(step, parallel, opt_state, eqxpar.train.shard_batch(batch(0), mesh))
@@ -142,6 +146,8 @@ def main(argv=None) -> dict:
         for i in eqxpar.recipe.progress(range(cfg.steps), desc=title):
             parallel, opt_state, metrics = step(parallel, opt_state, eqxpar.train.shard_batch(batch(i), mesh))
             losses.append(float(metrics["loss"]))
+            run_log.step(i, metrics)
+        run_log.close()
         return parallel, losses, comm
 
     # --- Part 1: the automatic plan. Attention, MLPs and embedding split; the rest whole. ---

@@ -17,6 +17,7 @@ import jax
 
 from .._mesh import fit_mesh, parse_mesh
 from .._optional import MissingDependency, require
+from ._log import LogFlags, check_log_flags
 from ._output import is_main_process
 
 __all__ = [
@@ -86,6 +87,9 @@ def parse_flags(
         if stop.code in (0, None):
             raise  # --help
         flag_error(_one_line(captured.getvalue()) or f"bad flags {args}", prog)
+    if isinstance(cfg, LogFlags):
+        with flag_errors(prog):
+            check_log_flags(cfg)
     if validate is not None:
         with flag_errors(prog):
             cfg = validate(cfg) or cfg

@@ -18,7 +18,7 @@ from .._optional import require
 from ..inspect import mfu
 from ._output import is_main_process
 
-__all__ = ["LogFlags", "RunLog"]
+__all__ = ["LogFlags", "RunLog", "check_log_flags"]
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
@@ -42,6 +42,15 @@ class LogFlags:
     log_every: int = 10  # log the training metrics every N steps (and the first and last step)
 
 
+def check_log_flags(cfg: Any) -> None:
+    """`ValueError` for `--log-every` below 1 or `--eval-every` below 0 (`parse_flags` calls it
+    for every config derived from [`eqxpar.recipe.LogFlags`][])."""
+    if cfg.log_every < 1:
+        raise ValueError(f"--log-every must be at least 1, got {cfg.log_every}.")
+    if getattr(cfg, "eval_every", 0) < 0:
+        raise ValueError(f"--eval-every must be at least 0 (0: no evaluation during training), got {cfg.eval_every}.")
+
+
 def _plain(value: Any) -> Any:
     """A device or NumPy scalar as a Python number (this waits for it); others as they are."""
     if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
@@ -59,7 +68,7 @@ class RunLog:
     for i in range(first_step, cfg.steps):
         model, opt_state, metrics = step(model, opt_state, batch(i))
         log.step(i, metrics)  # converts (and so waits for) the metrics every --log-every steps only
-        log.maybe_eval(i, lambda: {"val_loss": evaluate(model, held_out)})  # every --eval-every steps
+        log.maybe_eval(i, val_loss=functools.partial(evaluate, model, held_out))  # every --eval-every steps
     log.close()
     ```
 
@@ -131,15 +140,17 @@ class RunLog:
     def from_config(cls, cfg: Any, **kwargs: Any) -> RunLog:
         """The `RunLog` of a recipe from its flags ([`eqxpar.recipe.LogFlags`][]): `--log-dir`,
         `--log-every`, and where the config has them `--eval-every`, `--steps`,
-        `--learning-rate` and `--dtype`; `kwargs` as for `RunLog` (they win)."""
+        `--learning-rate` and `--dtype`; `kwargs` as for `RunLog` (they win, `log_dir` too)."""
         settings = dict(
+            log_dir=cfg.log_dir,
+            config=cfg,
             every=cfg.log_every,
             total_steps=getattr(cfg, "steps", None),
             learning_rate=getattr(cfg, "learning_rate", None),
             dtype=getattr(cfg, "dtype", "float32"),
             eval_every=getattr(cfg, "eval_every", 0),
         )
-        return cls(cfg.log_dir, cfg, **{**settings, **kwargs})
+        return cls(**{**settings, **kwargs})
 
     def due(self, i: int) -> bool:
         """Whether the loop's step `i` is logged: the first, every `every`-th, the last."""
@@ -175,20 +186,24 @@ class RunLog:
         self._last = (i + 1, now)
         self._write(row, "train")
 
-    def maybe_eval(self, i: int, evaluate: Callable[[], Mapping[str, Any]]) -> dict[str, Any] | None:
-        """After the loop's step `i`, every `eval_every` steps: run `evaluate()` (e.g.
-        `lambda: {"val_loss": evaluate(model, held_out)}`), record and print its metrics, and
-        return them (`None` when no evaluation is due). Every process calls it (the
-        evaluation may be a collective); process 0 prints and writes."""
+    def maybe_eval(self, i: int, **evaluations: Callable[[], Any]) -> dict[str, Any] | None:
+        """After the loop's step `i`, every `eval_every` steps: call each of `evaluations`
+        (e.g. `val_loss=functools.partial(evaluate, model, held_out)`), record and print the
+        results, and return them (`None` when no evaluation is due). Every process calls it
+        (an evaluation may be a collective); process 0 prints and writes."""
         if not self.eval_every or (i + 1) % self.eval_every:
             return None
-        row = {"step": i + 1, **{name: _plain(value) for name, value in evaluate().items()}}
+        row = {"step": i + 1, **{name: _plain(evaluate()) for name, evaluate in evaluations.items()}}
         self.evals.append(row)
+        if self._last is not None:  # the next rate leaves out the evaluation's time
+            self._last = (i + 1, time.perf_counter())
         if is_main_process():
-            from tqdm.auto import tqdm
+            from tqdm.auto import tqdm  # as eqxpar.recipe.progress: tqdm loads with the first bar
 
             shown = ", ".join(
-                f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items() if k != "step"
+                f"{name} {value:.4f}" if isinstance(value, float) else f"{name} {value}"
+                for name, value in row.items()
+                if name != "step"
             )
             tqdm.write(f"step {i + 1}: {shown}")
         if self._writes:
