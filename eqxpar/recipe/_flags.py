@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import io
 import math
 import os
 import re
 import sys
+import tomllib
+import types
+import typing
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NoReturn, TypeVar
 from unittest import mock
@@ -52,6 +56,11 @@ def parse_flags(
     ends the program before anything compiles: one line `recipe.py: error: ...` on stderr,
     exit status 2.
 
+    `--config-file run.toml` (every recipe has it) reads flag values from a TOML file: its
+    keys are the field names (`batch_size = 32`, or `batch-size`), and the flags given on the
+    command line override them. An unknown key or a value of the wrong type is one line and
+    exit status 2, as a bad flag is.
+
     **Arguments:**
 
     - `config_cls`: a dataclass whose fields all have defaults.
@@ -77,12 +86,14 @@ def parse_flags(
         description = doc.splitlines()[0] if doc else None
     _PROG[:] = [prog]
     args = sys.argv[1:] if argv is None else list(argv)
+    args, default = _config_file(config_cls, args, prog)  # --config-file FILE: the file's values
+    description = f"{description or ''}\n{CONFIG_FILE_HELP}".strip()
     captured = io.StringIO()
     # A wide "terminal" while parsing: tyro's error box unwrapped, to read back as one line.
     wide = {} if {"-h", "--help"} & set(args) else {"COLUMNS": "100000"}
     try:
         with mock.patch.dict(os.environ, wide), contextlib.redirect_stderr(captured):
-            cfg = tyro.cli(config_cls, args=args, prog=prog, description=description)
+            cfg = tyro.cli(config_cls, args=args, prog=prog, description=description, default=default)
     except SystemExit as stop:
         if stop.code in (0, None):
             raise  # --help
@@ -94,6 +105,77 @@ def parse_flags(
         with flag_errors(prog):
             cfg = validate(cfg) or cfg
     return cfg
+
+
+CONFIG_FILE_HELP = (
+    "--config-file FILE.toml: flag values from a TOML file, its keys the flags' names (batch_size = 32); "
+    "flags given on the command line override them."
+)
+
+
+def _config_file(config_cls: type[C], args: list[str], prog: str) -> tuple[list[str], C | None]:
+    """`args` without `--config-file PATH`, and the config its TOML file sets (`None`: no file).
+
+    Keys are the dataclass's field names (dashes read as underscores); an unknown key or a
+    value of the wrong type ends the program as a bad flag does."""
+    rest, path, i = [], None, 0
+    while i < len(args):
+        if args[i] == "--config-file":
+            if i + 1 == len(args):
+                flag_error("--config-file needs a path: a TOML file of flag values (batch_size = 32).", prog)
+            path, i = args[i + 1], i + 2
+            continue
+        if args[i].startswith("--config-file="):
+            path = args[i].partition("=")[2]
+        else:
+            rest.append(args[i])
+        i += 1
+    if path is None:
+        return rest, None
+    try:
+        with open(path, "rb") as f:
+            values = tomllib.load(f)
+    except OSError as error:
+        flag_error(f"--config-file {path}: {error.strerror or error}.", prog)
+    except tomllib.TOMLDecodeError as error:
+        flag_error(f"--config-file {path} is not valid TOML: {error}.", prog)
+    hints = typing.get_type_hints(config_cls)
+    names = [f.name for f in dataclasses.fields(config_cls) if f.init]  # type: ignore[arg-type]
+    settings = {}
+    for key, value in values.items():
+        name = key.replace("-", "_")
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            flag_error(f"--config-file {path}: unknown key {key!r}{hint}; the keys are the flags' names.", prog)
+        try:
+            settings[name] = _file_value(hints[name], value)
+        except ValueError as error:
+            flag_error(f"--config-file {path}: {key} = {value!r}: {error}", prog)
+    return rest, config_cls(**settings)
+
+
+def _file_value(hint: Any, value: Any) -> Any:
+    """`value` from a TOML file as the field typed `hint` takes it, or `ValueError`."""
+    origin, options = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Literal:
+        if value not in options:
+            raise ValueError(f"must be one of {', '.join(map(str, options))}.")
+        return value
+    if origin in (types.UnionType, typing.Union):
+        for option in (o for o in options if o is not type(None)):
+            try:
+                return _file_value(option, value)
+            except ValueError:
+                pass
+        kinds = [getattr(o, "__name__", str(o)) for o in options if o is not type(None)]
+        raise ValueError(f"must be of type {' or '.join(kinds)}.")
+    expected = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}.get(hint)
+    if expected is None:
+        return value
+    if not isinstance(value, expected) or (hint is not bool and isinstance(value, bool)):
+        raise ValueError(f"must be of type {hint.__name__}.")
+    return hint(value)
 
 
 def _one_line(boxed: str) -> str:
