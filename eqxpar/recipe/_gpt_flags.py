@@ -118,6 +118,6 @@ def speed_text(speed: dict[str, Any]) -> str:
     `"1,234 tokens/s, 5.6 GFLOP/s, MFU 40.0%"` (no MFU where the peak is unknown), or a
     note that no step was timed."""
     if speed["tokens_per_second"] is None:
-        return "speed not measured (the first step includes the compile: it takes 2 or more steps run)"
+        return "speed not measured (the first step includes the compile; measuring takes 2 or more steps)"
     text = f"{speed['tokens_per_second']:,.0f} tokens/s, {speed['flops_per_second'] / 1e9:,.1f} GFLOP/s"
     return text if speed["mfu"] is None else f"{text}, MFU {speed['mfu']:.1%}"
