@@ -23,6 +23,7 @@ The same seed gives the same losses as hybrid_gpt.py on any mesh (up to float ro
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -53,8 +54,8 @@ class Config(eqxpar.recipe.CheckpointFlags, eqxpar.recipe.LogFlags):  # + checkp
     remat: bool = False  # gather each block's weights again in the backward pass
     seed: int = 0  # seeds the weights and the batches
     metrics_out: str | None = None  # write the results as JSON here
-    dtype: str = "float32"  # compute dtype: float32, or bfloat16 (float32 master weights, float32 gradient sums)
-    attention: str = "dot_product"  # dot_product (jax.nn.dot_product_attention, cuDNN flash attention on GPU) or reference
+    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; bfloat16: float32 master weights, gradient sums
+    attention: Literal["dot_product", "reference"] = "dot_product"  # dot_product: cuDNN flash attention on GPU
     scan_layers: bool = False  # stack the blocks and run them with jax.lax.scan, gathering one layer at a time
 
 

@@ -62,7 +62,7 @@ class Config(eqxpar.recipe.CheckpointFlags, eqxpar.recipe.LogFlags, eqxpar.recip
 def check_flags(cfg: Config) -> Config:
     """Every check of the flags, before anything compiles; returns `cfg` with its mesh chosen."""
     eqxpar.simulate_cpu_devices(cfg.devices)  # before JAX touches a backend
-    cfg = eqxpar.recipe.check_gpt_flags(cfg)  # --dtype, --attention, --remat; --config sets the shape
+    cfg = eqxpar.recipe.check_gpt_flags(cfg)  # --dtype, --attention, --remat; --model-size sets the shape
     eqxpar.recipe.require_positive(cfg, "steps", "batch_size", "context", "dim", "heads", "layers")
     if not cfg.learning_rate > 0:
         raise ValueError(f"--learning-rate must be positive, got {cfg.learning_rate}.")
@@ -185,7 +185,7 @@ def main(argv=None) -> dict:
         # tokens_per_second, flops_per_token, flops_per_second, and the model FLOPs
         # utilisation against the chips' peak (mfu; null where the peak is unknown: CPU).
         **eqxpar.recipe.speed_metrics(tokens_per_second, flops_per_token, mesh.size, cfg.dtype),
-        "config": cfg.config,
+        "model_size": cfg.model_size,
         "dtype": cfg.dtype,
         "attention": cfg.attention,
         "remat": cfg.remat,

@@ -27,6 +27,7 @@ The same seed gives the same losses on every mesh (up to float rounding).
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -47,9 +48,9 @@ MODES = ("ring", "all_gather")
 class Config(eqxpar.recipe.LogFlags):  # + --log-dir, --log-every
     devices: int = 8  # simulated CPU devices when there is no accelerator
     mesh: str = "auto"  # data, context and model axes, e.g. data=2,context=2,model=2; auto: fit the devices
-    attention: str = "ring"  # ring (K/V blocks passed around) or all_gather (K/V gathered once per layer)
+    attention: Literal["ring", "all_gather"] = "ring"  # ring: K/V blocks passed on; all_gather: K/V gathered per layer
     sequence_parallel: bool = False  # also split the positions over `model` between the tensor-parallel layers
-    remat: str = "none"  # what the backward pass recomputes: none, block or save_matmuls
+    remat: Literal["none", "block", "save_matmuls"] = "none"  # what the backward pass recomputes
     scan_layers: bool = False  # run the blocks as one jax.lax.scan over stacked weights
     steps: int = 10  # training steps
     batch_size: int = 2  # sequences per step

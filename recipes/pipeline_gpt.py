@@ -20,6 +20,7 @@ Every mesh and schedule trains the same model on the same batches: the same fina
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import jax
 import numpy as np
@@ -42,7 +43,7 @@ from eqxpar.train import (
 class Config(eqxpar.recipe.LogFlags):  # + --log-dir, --log-every
     devices: int = 8  # simulated CPU devices when there is no accelerator
     mesh: str = "auto"  # the stage axis splits the blocks, data the batch, e.g. stage=4,data=2 (optionally model=: tensor parallel in each stage); auto: fit the devices
-    schedule: str = "gpipe"  # gpipe, circular or 1f1b
+    schedule: Literal["gpipe", "circular", "1f1b"] = "gpipe"  # the pipeline schedule (eqxpar.train.SCHEDULES)
     microbatches: int = 16  # micro-batches per data shard (M; 4P by default)
     virtual_stages: int = 2  # layer chunks per device under --schedule circular (r)
     steps: int = 30  # training steps

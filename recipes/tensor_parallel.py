@@ -14,7 +14,7 @@ Run it:
     python recipes/tensor_parallel.py --devices 1      # a one-device machine (--mesh auto: model=1)
     python recipes/tensor_parallel.py --steps 50 --metrics-out /tmp/tp.json
     python recipes/tensor_parallel.py --dtype bfloat16 --remat block --scan-layers
-    python recipes/tensor_parallel.py --config 124m --devices 1   # GPT-2 small's shape (a GPU)
+    python recipes/tensor_parallel.py --model-size 124m --devices 1   # GPT-2 small's shape (a GPU)
     python recipes/tensor_parallel.py --checkpoint-dir /tmp/tp --checkpoint-every 100 --resume
 
 The same seed gives the same losses for every model axis size (up to float rounding).
@@ -68,7 +68,7 @@ def batch_of_windows(ids: np.ndarray, starts: np.ndarray, context: int) -> np.nd
 def check_flags(cfg: Config) -> Config:
     """Every check of the flags, before anything compiles; returns `cfg` with its mesh chosen."""
     eqxpar.simulate_cpu_devices(cfg.devices)  # before JAX touches a backend
-    cfg = eqxpar.recipe.check_gpt_flags(cfg)  # --dtype, --attention, --remat; --config sets the shape
+    cfg = eqxpar.recipe.check_gpt_flags(cfg)  # --dtype, --attention, --remat; --model-size sets the shape
     eqxpar.recipe.require_positive(cfg, "steps", "batch_size", "context", "dim", "heads", "layers")
     if cfg.dim % cfg.heads:
         raise ValueError(f"--dim {cfg.dim} is not divisible by --heads {cfg.heads}: every head needs the same width.")
@@ -210,7 +210,7 @@ def main(argv=None) -> dict:
         # tokens_per_second, flops_per_token, flops_per_second, and the model FLOPs
         # utilisation against the chips' peak (mfu; null where the peak is unknown: CPU).
         **eqxpar.recipe.speed_metrics(throughput.per_second, flops_per_token, mesh.size, cfg.dtype),
-        "config": cfg.config,
+        "model_size": cfg.model_size,
         "dtype": cfg.dtype,
         "attention": cfg.attention,
         "remat": cfg.remat,

@@ -4,7 +4,7 @@
   what: the same losses as the defaults; `--dtype bfloat16` stays within the tolerance
   stated in tests/test_precision.py; every run writes its speed (tokens/s, FLOPs per
   token, MFU: null on CPU) to `--metrics-out`.
-- `--config` sets the model's shape before the shape checks run.
+- `--model-size` sets the model's shape before the shape checks run.
 - `remat="offload"` keeps the matmul outputs in host memory where the backend can (GPU,
   TPU): the same loss and gradients as `remat="none"`, with the moves to the host in the
   compiled program. Where it cannot (JAX's CPU backend compiles the moves away), it is a
@@ -94,12 +94,12 @@ def test_throughput_ends_at_the_last_step():
 
 def test_config_flag_sets_the_shape_before_the_shape_checks():
     recipe = load_recipe("tensor_parallel")
-    cfg = recipe.check_flags(recipe.Config(config="10m", mesh="model=2"))
+    cfg = recipe.check_flags(recipe.Config(model_size="10m", mesh="model=2"))
     shape = GPT_CONFIGS["10m"]
     assert (cfg.context, cfg.dim, cfg.heads, cfg.layers) == (shape.context, shape.dim, shape.heads, shape.layers)
     # 10m has 6 heads: model=4 does not divide them, whatever --heads says.
     with pytest.raises(ValueError, match="model=4 does not divide --heads 6"):
-        recipe.check_flags(recipe.Config(config="10m", mesh="model=4", heads=8))
+        recipe.check_flags(recipe.Config(model_size="10m", mesh="model=4", heads=8))
 
 
 # ---- remat="offload" ------------------------------------------------------------------------

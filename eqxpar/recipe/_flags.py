@@ -87,6 +87,7 @@ def parse_flags(
     _PROG[:] = [prog]
     args = sys.argv[1:] if argv is None else list(argv)
     args, default = _config_file(config_cls, args, prog)  # --config-file FILE: the file's values
+    args = _renamed(config_cls, args, prog)  # --config NAME: now --model-size NAME
     description = f"{description or ''}\n{CONFIG_FILE_HELP}".strip()
     captured = io.StringIO()
     # A wide "terminal" while parsing: tyro's error box unwrapped, to read back as one line.
@@ -153,6 +154,24 @@ def _config_file(config_cls: type[C], args: list[str], prog: str) -> tuple[list[
         except ValueError as error:
             flag_error(f"--config-file {path}: {key} = {value!r}: {error}", prog)
     return rest, config_cls(**settings)
+
+
+# Old flag spellings: old -> (new, the field the new one sets). Still read, with a warning.
+RENAMED_FLAGS = {"--config": ("--model-size", "model_size")}
+
+
+def _renamed(config_cls: Any, args: list[str], prog: str) -> list[str]:
+    """`args` with renamed flags in their new spelling, each saying so on stderr."""
+    fields = {f.name for f in dataclasses.fields(config_cls)}
+    out = []
+    for arg in args:
+        old, eq, value = arg.partition("=")
+        if old in RENAMED_FLAGS and RENAMED_FLAGS[old][1] in fields:
+            new = RENAMED_FLAGS[old][0]
+            print(f"{prog}: warning: {old} is now {new} (a named model size); {old} will go", file=sys.stderr)
+            arg = f"{new}{eq}{value}"
+        out.append(arg)
+    return out
 
 
 def _file_value(hint: Any, value: Any) -> Any:

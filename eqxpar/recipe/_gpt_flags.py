@@ -1,11 +1,11 @@
-"""The GPT recipes' speed flags (`--config`, `--dtype`, `--attention`, `--remat`,
+"""The GPT recipes' speed flags (`--model-size`, `--dtype`, `--attention`, `--remat`,
 `--scan-layers`), their checks, and the speed metrics the recipes write."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +18,13 @@ __all__ = ["GPTFlags", "check_gpt_flags", "speed_metrics", "speed_text"]
 
 C = TypeVar("C")
 
+# The flags' choices as Literal types: --help lists them and tyro refuses others (one line).
+# They are eqxpar.models' GPT_CONFIGS and REMAT_CHOICES (tests/test_recipe_flags.py checks it).
+ModelSize = Literal["custom", "10m", "124m", "1.3b"]
+Dtype = Literal["float32", "bfloat16"]
+Attention = Literal["dot_product", "reference"]
+Remat = Literal["none", "block", "save_matmuls", "offload"]
+
 
 @dataclasses.dataclass
 class GPTFlags:
@@ -25,8 +32,9 @@ class GPTFlags:
     derive the recipe's `Config` from it (next to [`eqxpar.recipe.CheckpointFlags`][]), and
     check them with [`eqxpar.recipe.check_gpt_flags`][].
 
-    - `--config NAME`: a named size of `eqxpar.models.GPT_CONFIGS` (10m, 124m, 1.3b) sets the
-      recipe's `context`, `dim`, `heads` and `layers`; `custom` (default) keeps those flags.
+    - `--model-size NAME`: a named size of `eqxpar.models.GPT_CONFIGS` (10m, 124m, 1.3b) sets
+      the recipe's `context`, `dim`, `heads` and `layers`; `custom` (default) keeps those
+      flags. (`--config NAME`, its old name, still works and says so.)
     - `--dtype`: `float32`, or `bfloat16` compute on float32 master weights (the loss and
       the gradient sums stay float32): `cfg.precision()` is the [`eqxpar.train.Precision`][].
     - `--attention`, `--remat`, `--scan-layers`: the [`eqxpar.models.GPT`][] options
@@ -34,10 +42,10 @@ class GPTFlags:
     """
 
     # The comments are the flags' --help text (eqxpar.recipe.parse_flags reads them).
-    config: str = "custom"  # a named GPT size (10m, 124m, 1.3b) in place of --context/--dim/--heads/--layers; custom: those flags
-    dtype: str = "float32"  # compute dtype: float32, or bfloat16 (float32 master weights, float32 gradient sums)
-    attention: str = "dot_product"  # dot_product (jax.nn.dot_product_attention, cuDNN flash attention on GPU) or reference
-    remat: str = "none"  # what backward recomputes: none, block, save_matmuls, offload (matmuls kept on host; GPU/TPU)
+    model_size: ModelSize = "custom"  # a named GPT size setting --context/--dim/--heads/--layers; custom: those flags
+    dtype: Dtype = "float32"  # compute dtype; bfloat16: on float32 master weights, float32 gradient sums
+    attention: Attention = "dot_product"  # dot_product: jax.nn.dot_product_attention (cuDNN flash attention on GPU)
+    remat: Remat = "none"  # what backward recomputes; offload: matmul outputs kept in host memory (GPU/TPU)
     scan_layers: bool = False  # stack the blocks and run them with jax.lax.scan (one compiled block at any depth)
 
     def precision(self):
@@ -46,11 +54,11 @@ class GPTFlags:
 
 
 def check_gpt_flags(cfg: C) -> C:
-    """Check a [`eqxpar.recipe.GPTFlags`][] config's flags; returns it with `--config` applied.
+    """Check a [`eqxpar.recipe.GPTFlags`][] config's flags; returns it with `--model-size` applied.
 
     Call it from the recipe's `validate`, after `eqxpar.simulate_cpu_devices` (`--remat
     offload` asks the backend whether it can offload) and before the checks of
-    `context`, `dim`, `heads` and `layers` (a named `--config` sets them).
+    `context`, `dim`, `heads` and `layers` (a named `--model-size` sets them).
 
     **Arguments:**
 
@@ -59,7 +67,7 @@ def check_gpt_flags(cfg: C) -> C:
 
     **Returns:**
 
-    `cfg`, with the named size's shape in place of its own when `--config` is not `custom`.
+    `cfg`, with the named size's shape in place of its own when `--model-size` is not `custom`.
 
     **Raises:**
 
@@ -67,20 +75,21 @@ def check_gpt_flags(cfg: C) -> C:
       on a backend without host offload, naming the backend and the other choices.
     """
     choices = {
-        "config": ("custom", *GPT_CONFIGS),
+        "model_size": ("custom", *GPT_CONFIGS),
         "dtype": ("float32", "bfloat16"),
         "attention": ("dot_product", "reference"),
         "remat": REMAT_CHOICES,
     }
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
-            raise ValueError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(cfg, name)!r}.")
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} must be one of {', '.join(allowed)}, got {getattr(cfg, name)!r}.")
     try:
         remat_wrapper(cfg.remat)  # "offload": only where the backend can move arrays to the host
     except ValueError as error:
         raise ValueError(f"--remat {cfg.remat}: {error}") from None
-    if cfg.config != "custom":
-        cfg = dataclasses.replace(cfg, **dataclasses.asdict(gpt_config(cfg.config)))
+    if cfg.model_size != "custom":
+        cfg = dataclasses.replace(cfg, **dataclasses.asdict(gpt_config(cfg.model_size)))
     return cfg
 
 
