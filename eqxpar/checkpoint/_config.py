@@ -19,10 +19,11 @@ __all__ = [
 ]
 
 # The recipe flags that may change when a run resumes without making it another run: how
-# long to train, where to write, how to checkpoint, and the layout (a checkpoint restores
-# onto any mesh).
+# long to train, where to write and log, how to checkpoint, and the layout (a checkpoint
+# restores onto any mesh).
 RECIPE_FREE_FIELDS = (
     "steps", "metrics_out", "devices", "mesh", "checkpoint_dir", "checkpoint_every", "resume", "watchdog_s",
+    "log_dir", "log_every", "eval_every",
 )
 
 
