@@ -377,3 +377,20 @@ def test_to_dense_of_a_devices_stacked_block_is_refused_before_unstacking():
 
     block = jax.tree.map(cut, blocks, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec) or x is None)
     refused(lambda: block.to_dense(), "to_dense", "not the global", "device's block")
+
+
+def test_ring_and_sequence_parallel_gpt_called_outside_shard_map(ring_gpt, sequence_parallel_gpt):
+    tokens = jax.numpy.zeros((2, 8), jax.numpy.int32)
+    refused(lambda: ring_gpt(tokens), "GPT: attention_impl='ring'", "'context'", "outside shard_map",
+            "context_axis='context'")
+    refused(lambda: sequence_parallel_gpt(tokens), "GPT: sequence_parallel=True", "'model'", "outside shard_map")
+
+
+def test_ring_gpt_in_a_pipeline():
+    from eqxpar.models import GPT, gpt_stages
+    from eqxpar.train import pipeline_step
+
+    model = GPT(64, 16, 32, 4, 2, attention_impl="ring", scan_layers=True, key=jax.random.key(0))
+    step = pipeline_step(gpt_stages(), optax.sgd(0.1), eqxpar.make_mesh(stage=2, data=2, model=2))
+    refused(lambda: step.init(model), "pipeline_step:", "attention_impl='ring'", "keeps whole sequences",
+            "attention_impl='dot_product'")

@@ -263,11 +263,25 @@ class GPT(TensorParallelLayer):
             with jax.named_scope("head"):
                 return head_logits(self, x)
 
+    def _bound_size(self, axis: str, why: str) -> int:
+        """The size of mesh axis `axis`, or a ValueError naming it when it is not bound (the
+        model called outside shard_map, or over a mesh without it): not JAX's NameError."""
+        try:
+            return jax.lax.axis_size(axis)
+        except NameError:
+            step = f" (train it with context_axis={axis!r} in the step builder)" if axis == CONTEXT_AXIS else ""
+            raise ValueError(
+                f"GPT: {why} splits every sequence over the mesh axis {axis!r}, which is not bound "
+                f"here (the model was called outside shard_map, or inside one over a mesh without "
+                f"that axis): call it inside eqxpar.filter_shard_map over a mesh with a {axis!r} "
+                f"axis{step}."
+            ) from None
+
     def _rows(self, seq: int) -> tuple[Array | None, int]:
         """The global positions of this device's rows of the residual stream (`None`: all
         of them, in order) and the whole sequence's length, for `seq` tokens per device."""
         context = self.attention_impl in ("ring", "all_gather")  # `seq` is this device's part
-        length = seq * jax.lax.axis_size(CONTEXT_AXIS) if context else seq
+        length = seq * self._bound_size(CONTEXT_AXIS, f"attention_impl={self.attention_impl!r}") if context else seq
         if length > self.context_length:
             raise ValueError(
                 f"GPT: {length} tokens per sequence ({seq} per context shard) exceed "
@@ -275,7 +289,7 @@ class GPT(TensorParallelLayer):
             )
         rows = context_positions(seq, CONTEXT_AXIS, "zigzag") if context else None
         if self.sequence_parallel:
-            n = jax.lax.axis_size(self.axis_name)
+            n = self._bound_size(self.axis_name, "sequence_parallel=True")
             if seq % n:
                 raise ValueError(
                     f"GPT: sequence_parallel=True splits the {seq} positions per device over the "

@@ -157,7 +157,9 @@ def _mesh_axes_text(mesh: Mesh) -> str:
     return ", ".join(f"{name}={size}" for name, size in mesh.shape.items()) or "none"
 
 
-def check_model_axes(model: PyTree, mesh: Mesh, who: str, context_axis: str | None) -> None:
+def check_model_axes(
+    model: PyTree, mesh: Mesh, who: str, context_axis: str | None, *, splits_sequences: bool = True
+) -> None:
     """The mesh axes the model's layers name must exist, before anything traces: each
     tensor-parallel layer's model axis must be on the mesh, and a context-parallel attention
     (`attention_impl` `"ring"` or `"all_gather"`) needs the step to split every sequence over
@@ -199,6 +201,11 @@ def check_model_axes(model: PyTree, mesh: Mesh, who: str, context_axis: str | No
                 raise ValueError(
                     f"{why}but the step splits them over context_axis={context_axis!r}. Build the "
                     f"step with context_axis={ring!r}, or the attention with context_axis={context_axis!r}."
+                )
+            if not splits_sequences:
+                raise ValueError(
+                    f"{why}but {who} keeps whole sequences on each device (it has no context_axis). "
+                    f"Build the model with attention_impl='dot_product' (or 'reference') to train it here."
                 )
             on_mesh = (
                 "" if ring in names

@@ -33,7 +33,7 @@ from .._specs import (
     spec_axes,
 )
 from ..nn import partition_specs
-from ._checks import check_batch_divides, check_builder
+from ._checks import check_batch_divides, check_builder, check_model_axes
 from ._gradients import leaf_plans, whole_leaf
 from ._pipeline_run import PipelinePlan, gpipe_loss, one_f_one_b
 from ._pipeline_stages import Stages
@@ -203,6 +203,7 @@ def pipeline_step(
     share = 1.0 / (n_batch * microbatches)
 
     def specs_for(model):
+        check_model_axes(model, mesh, who, None, splits_sequences=False)  # before anything compiles
         layers = stages.num_layers(model)
         if layers % (P * virtual_stages):
             raise ValueError(
