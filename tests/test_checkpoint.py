@@ -50,7 +50,7 @@ def _state(seed: int, width: int = 8):
 def _make_state(seed, width):
     mkey, key = jax.random.split(jax.random.key(seed))
     mlp = eqx.nn.MLP(4, 2, width_size=width, depth=2, activation=jax.nn.gelu, key=mkey)
-    net = Net(mlp, eqx.nn.Dropout(0.1), jnp.full((8,), 1.5 + seed, jnp.bfloat16))
+    net = Net(mlp, eqx.nn.Dropout(0.1), jnp.full((8,), 1.5 + jnp.asarray(seed).astype(jnp.float32), jnp.bfloat16))
     params = eqx.filter(net, eqx.is_array)
     sgd, adam = optax.sgd(0.1, momentum=0.9), optax.adam(1e-2)
     _, sgd_state = sgd.update(params, sgd.init(params), params)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, overload
 
 import jax
 import numpy as np
@@ -21,6 +21,10 @@ from ._restore import Restored, candidates, read_newest, target
 __all__ = ["Checkpointer"]
 
 
+@overload
+def _check_int(value: Any, what: str) -> int: ...
+@overload
+def _check_int(value: Any, what: str, *, none: bool) -> int | None: ...
 def _check_int(value: Any, what: str, *, none: bool = False) -> int | None:
     if value is None and none:
         return None
@@ -210,7 +214,12 @@ class Checkpointer:
         A sorted list of step numbers (empty without a `directory`). A save still being
         written in the background is not listed until it completes.
         """
-        return _folder.scan(self.directory).steps if self.enabled else []
+        return _folder.scan(self._directory()).steps if self.enabled else []
+
+    def _directory(self) -> str:
+        """The folder of an enabled Checkpointer (every caller checked `enabled`)."""
+        assert self.directory is not None
+        return self.directory
 
     def _open(self):
         """orbax's CheckpointManager for the folder, created at the first use (JAX runs by
@@ -230,8 +239,8 @@ class Checkpointer:
                 cleanup_tmp_directories=False,  # done below, for eqxpar's temporary folders only
             )
             if jax.process_index() == 0:
-                _folder.remove_unfinished(self.directory)
-            self._manager = ocp.CheckpointManager(self.directory, options=options)
+                _folder.remove_unfinished(self._directory())
+            self._manager = ocp.CheckpointManager(self._directory(), options=options)
         return self._manager
 
     def _check_open(self) -> None:
@@ -284,8 +293,8 @@ class Checkpointer:
         data_text = json_text(data_state)
         arrays, described = saved_arrays(state)
         manager = self._open()
-        self._drop_unreadable()
-        _folder.check_free(self.directory, step)
+        self._drop_unreadable(manager)
+        _folder.check_free(self._directory(), step)
         # orbax is an optional extra: it (and ._orbax) loads on first use, not at import.
         import orbax.checkpoint as ocp
 
@@ -304,20 +313,20 @@ class Checkpointer:
             self.close()
             hint = ("the same flags and --resume" if self._spelling is FLAGS else
                     f"a Checkpointer({self.directory!r}, resume=True) and its restore()")
-            raise stop_after_save(step, _folder.step_dir(self.directory, step), hint,
+            raise stop_after_save(step, _folder.step_dir(self._directory(), step), hint,
                                   lambda line: print(line, flush=True))
         return True
 
-    def _drop_unreadable(self) -> None:
+    def _drop_unreadable(self, manager) -> None:
         for step in self._unreadable:
-            if step in self._manager.all_steps():
+            if step in manager.all_steps():
                 warnings.warn(
                     f"eqxpar.checkpoint: deleting the unreadable checkpoint "
-                    f"{_folder.step_dir(self.directory, step)} (skipped at restore) before "
+                    f"{_folder.step_dir(self._directory(), step)} (skipped at restore) before "
                     f"saving.",
                     stacklevel=3,
                 )
-                self._manager.delete(step)
+                manager.delete(step)
         self._unreadable = []
 
     def wait(self) -> None:
@@ -381,13 +390,14 @@ class Checkpointer:
         manager = self._open()
         manager.wait_until_finished()
         manager.reload()
-        tried = candidates(list(manager.all_steps()), step, self.directory, wanted)
+        tried = candidates(list(manager.all_steps()), step, self._directory(), wanted)
         if not tried:
             if self.resume:
                 self._say(f"no checkpoint in {self.directory}: starting fresh")
             return Restored(like, 0, None)
-        restored, self._unreadable = read_newest(manager, self.directory, tried, wanted, exact=step is not None)
-        self._say(f"resumed from step {restored.step} (checkpoint {_folder.step_dir(self.directory, restored.step)})")
+        restored, self._unreadable = read_newest(manager, self._directory(), tried, wanted, exact=step is not None)
+        where = _folder.step_dir(self._directory(), restored.step)
+        self._say(f"resumed from step {restored.step} (checkpoint {where})")
         return restored
 
     # -- closing ------------------------------------------------------------------------------

@@ -153,7 +153,7 @@ def check_folder(
             f"from the newest, or give an empty (or new) {spelling.directory} to start a new run."
         )
     saved = _folder.newest_config(directory, contents.steps) if config else None
-    if saved is not None:
+    if saved is not None and config is not None:  # (saved is None without a config)
         compare(
             saved[1], config, step=saved[0], where=f"{spelling.directory} {directory}",
             shape_fields=shape_fields, free_fields=free_fields, spell=spelling.setting,
@@ -169,7 +169,9 @@ def recipe_settings(cfg: Any) -> dict[str, Any]:
       `--checkpoint-dir`, or `--checkpoint-every` is not positive.
     """
     missing = [f for f in ("checkpoint_dir", "checkpoint_every", "resume", "steps") if not hasattr(cfg, f)]
-    if missing or not dataclasses.is_dataclass(cfg):
+    # is_dataclass(type(cfg)): an instance (a class is no config); and it keeps cfg's type for
+    # the checker, which is_dataclass(cfg) would narrow to a bare DataclassInstance.
+    if missing or not dataclasses.is_dataclass(type(cfg)):
         raise ValueError(
             f"Checkpointer.from_config needs a dataclass config with the fields of "
             f"eqxpar.recipe.CheckpointFlags and `steps`; missing: {missing or 'not a dataclass'}. "

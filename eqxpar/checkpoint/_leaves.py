@@ -9,6 +9,8 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.core
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jaxtyping import PyTree
@@ -29,7 +31,7 @@ __all__ = [
 
 def is_key(x: Any) -> bool:
     dtype = getattr(x, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def _key_impl(x: Any) -> str:
@@ -218,13 +220,13 @@ def restore_target(path, leaf) -> Any:
 
 def rebuild(like_leaves, treedef, saved: list[dict], arrays: list) -> PyTree:
     """The restored state: `like`'s structure and non-array leaves, the saved arrays."""
-    arrays = iter(arrays)
+    values = iter(arrays)
     out = []
     for (_, leaf), entry in zip(like_leaves, saved):
         if entry["kind"] == "static":
             out.append(leaf)
             continue
-        value = next(arrays)
+        value = next(values)
         if uncommitted(leaf):  # uncommitted like the original, so jit may move it
             value = jax.device_put(value)
         if entry["kind"] == "key":

@@ -161,6 +161,7 @@ def read_newest(manager, directory: str, tried: list[int], like: Target, *, exac
     for step in tried:
         restored, error = read_step(manager, directory, step, like)
         if error is None:
+            assert restored is not None  # read_step gives a Restored or an error
             return restored, skipped
         where = f"checkpoint {os.path.join(directory, str(step))}"
         failures.append(f"step {step}: {type(error).__name__}: {first_line(error)}")
