@@ -214,8 +214,9 @@ def test_a_late_failure_reaches_a_rank_that_already_finished():
     print(f"by hand, rank 1 raises after rank 0 finished: over {ended - failed_at:.1f} s after the failure")
 
 
-def test_a_rank_that_leaves_early_with_sys_exit_ends_the_job():
-    """`sys.exit(1)` is a normal exit that no exception hook sees; rank 0 waits in a collective.
+def test_a_rank_that_leaves_early_with_sys_exit_0_ends_the_job():
+    """`sys.exit(0)` mid-job is a successful exit that no exception hook sees; rank 0 waits in
+    a collective. (A failing status, `sys.exit(3)`, ends the job at once: test_exit_status.py.)
 
     Rank 1 waits for rank 0 to finish too; after `shutdown_timeout_s` (10 s in the script) it
     declares the job failed, which also ends rank 0.
@@ -229,7 +230,7 @@ def test_a_rank_that_leaves_early_with_sys_exit_ends_the_job():
     assert "[rank 0] eqxpar: process 0 of 2 stops because process 1 finished its script" in out
     assert last_lines(out, 1) == "eqxpar.launch: the job failed: rank 1 exited with status 1.", out
     assert ended - left_at < LIMIT_S
-    print(f"launcher, rank 1 leaves early with sys.exit(1): over {ended - left_at:.1f} s after it left")
+    print(f"launcher, rank 1 leaves early with sys.exit(0): over {ended - left_at:.1f} s after it left")
 
 
 @pytest.mark.parametrize("killed", [1, 0])
