@@ -117,6 +117,13 @@ def _flush() -> None:
 
 
 class _FailFast:
+    # Set by install(), around the constructor: what it replaced, and the interrupt watch's
+    # socket pair (only when it could take the wakeup fd).
+    previous_excepthook: Callable[..., Any]
+    previous_thread_excepthook: Callable[..., Any]
+    previous_exit: Callable[..., Any]
+    wakeup: tuple[socket.socket, socket.socket]
+
     def __init__(self, client: Any, process_id: int, num_processes: int, address: str | None,
                  poll_s: float, lost_after_s: float, finish_timeout_s: float):
         self.client, self.pid, self.count, self.address = client, process_id, num_processes, address
