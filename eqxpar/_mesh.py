@@ -52,7 +52,7 @@ def simulate_cpu_devices(n: int) -> None:
 
 def make_mesh(
     axis_type: AxisTypeName = "auto",
-    devices: Sequence[jax.Device] | None = None,
+    devices: Sequence[jax.Device] | None = None,  # pyright: ignore[reportInvalidTypeForm]  # jaxlib's Device, re-exported as a plain variable
     **axis_sizes: int,
 ) -> Mesh:
     """A device mesh from named axis sizes, e.g. `make_mesh(data=2, model=4)`.

@@ -48,7 +48,8 @@ def dump_stacks(tag: str) -> None:
     _dumped.set()
     _flush()
     frames = sys._current_frames()
-    main = frames.get(threading.main_thread().ident)
+    main_id = threading.main_thread().ident
+    main = None if main_id is None else frames.get(main_id)
     if main is not None:
         innermost = traceback.extract_stack(main)[-1]
         line = f": {innermost.line.strip()}" if innermost.line else ""

@@ -53,9 +53,9 @@ def digits(test_fraction: float = 0.2, seed: int = 0) -> Split:
         from sklearn.datasets import load_digits
     except ImportError as e:  # pragma: no cover - the `recipes`/`test` extras install it
         raise ImportError("eqxpar.datasets.digits needs scikit-learn: pip install 'eqxpar[recipes]'") from e
-    data = load_digits()
-    x = (data.data / 16.0).astype(np.float32)
-    y = data.target.astype(np.int32)
+    pixels, labels = load_digits(return_X_y=True)
+    x = (pixels / 16.0).astype(np.float32)
+    y = labels.astype(np.int32)
     order = np.random.default_rng(seed).permutation(len(x))
     n_test = int(round(len(x) * test_fraction))
     test, train = order[:n_test], order[n_test:]

@@ -84,7 +84,11 @@ def mesh_sizes(
     return st.sampled_from(shapes).map(lambda s: dict(zip(axis_names, s)))
 
 
-def on_one_device(fn: Callable[..., Any], *args: Any, device: jax.Device | None = None) -> Any:
+def on_one_device(
+    fn: Callable[..., Any],
+    *args: Any,
+    device: jax.Device | None = None,  # pyright: ignore[reportInvalidTypeForm]  # jaxlib's Device, re-exported as a plain variable
+) -> Any:
     """Run `fn(*args)` on a single device: the reference a parallel result is compared with.
 
     The array arguments are gathered (whatever their sharding) and placed on `device`
@@ -308,7 +312,7 @@ def check_parallel_parity(
         )
     # The dense side: one device, the same axis names (all of size 1) so collectives in the
     # loss (vocab_parallel_cross_entropy) run as the identity they are there.
-    one = make_mesh(devices=jax.devices()[:1], **dict.fromkeys(mesh.axis_names, 1))
+    one = make_mesh("auto", jax.devices()[:1], **dict.fromkeys(mesh.axis_names, 1))
     P = jax.sharding.PartitionSpec
     dense_key = None if key is None else jax.random.fold_in(key, 0)
 
@@ -342,9 +346,12 @@ def check_parallel_parity(
     # The parallel side: the hybrid step, with the optimizer wrapped to keep the gradient it
     # was given in its state, so the gradients come out of the very same step.
     specs = partition_specs(parallel_model, mesh) if param_specs is None else param_specs
+    def keep_update(updates, state: Any, params=None):
+        return _keep(updates, optimizer.update(updates, state[1], params))
+
     keeping = optax.GradientTransformation(
         lambda params: (jax.tree.map(jnp.zeros_like, params), optimizer.init(params)),
-        lambda grads, state, params=None: _keep(grads, optimizer.update(grads, state[1], params)),
+        keep_update,
     )
     placed = shard_batch(batch, mesh, batch_axis=batch_axis)
     step = hybrid_step(loss_fn, keeping, mesh, param_specs=specs, batch_axis=batch_axis)

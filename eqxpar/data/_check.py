@@ -18,7 +18,8 @@ def _fingerprint(data: np.ndarray) -> tuple[int, int]:
     digest = hashlib.blake2b(digest_size=8)
     digest.update(str((data.shape, data.dtype.str)).encode())
     digest.update(np.ascontiguousarray(data).tobytes())
-    return tuple(int(x) for x in np.frombuffer(digest.digest(), dtype=np.int32))
+    high, low = (int(x) for x in np.frombuffer(digest.digest(), dtype=np.int32))
+    return high, low
 
 
 def check_batch_consistency(

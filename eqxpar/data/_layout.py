@@ -65,7 +65,7 @@ class BatchLayout:
     global_batch_size: int
     num_shards: int
     shard_size: int
-    device_shard: dict[jax.Device, int]
+    device_shard: dict[jax.Device, int]  # pyright: ignore[reportInvalidTypeForm]  # jaxlib's Device, re-exported as a plain variable
     process_shards: dict[int, tuple[int, ...]]
 
     def rows_of_shard(self, shard: int) -> range:
