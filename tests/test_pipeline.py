@@ -1,6 +1,7 @@
 """Pipeline parallelism: GPipe, circular and 1F1B give the one-device loss, gradients and
 K-step updates over drawn stage counts, micro-batches, layers per stage and meshes with
-data and model axes; dropping a ppermute or counting a micro-batch twice is caught."""
+data and model axes (circular with r=2 pinned); dropping a ppermute or counting a
+micro-batch twice is caught; dropout on data=2 draws each shard's and micro-batch's keys."""
 
 import functools
 import os
