@@ -148,8 +148,8 @@ def _mesh_groups(axes_text: str, ids_text: str | None, group_text: str, line: st
     if ids_text is None:
         ids = np.arange(total)
     elif ids_text.startswith("["):
-        dims, _, perm = ids_text[1:].partition("]")
-        ids = _iota([int(d) for d in dims.split(",") if d], perm[2:-1] if perm.startswith("T(") else None)
+        dims_text, _, perm = ids_text[1:].partition("]")
+        ids = _iota([int(d) for d in dims_text.split(",") if d], perm[2:-1] if perm.startswith("T(") else None)
     else:
         ids = np.array([int(d) for d in re.findall(r"\d+", ids_text)])
     ids = ids.reshape(sizes)

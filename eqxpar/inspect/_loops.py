@@ -95,7 +95,7 @@ def stablehlo_trip_count(ir: Any, op: Any) -> int | None:
             step = _constant(ir, a)
         else:
             return None
-        if None in (start, stop, step) or step <= 0:
+        if start is None or stop is None or step is None or step <= 0:
             return None
         return max(0, math.ceil((stop - start) / step))
     except (AttributeError, IndexError, KeyError, TypeError, ValueError):

@@ -186,7 +186,8 @@ class CommReport:
         if not isinstance(theory, CommTheory):
             raise ValueError(f"CommReport.versus: expected a CommTheory, got {type(theory).__name__}.")
         self._require_mesh("versus()")
-        lowered, compiled, expected = self.traffic(stage="lowered"), self.traffic(), theory.traffic()
+        lowered, compiled = self.traffic(stage="lowered"), self.traffic()
+        expected: dict[Any, int] = theory.traffic()  # its keys never have axes None
         keys = sorted(set(lowered) | set(compiled) | set(expected), key=_row_order)
         rows = tuple(
             ComparisonRow(kind, axes, expected.get(key, 0), lowered.get(key, 0), compiled.get(key, 0))
@@ -195,7 +196,7 @@ class CommReport:
         )
         return CommComparison(rows=rows, theory=theory)
 
-    def _require_mesh(self, what: str) -> Mesh:
+    def _require_mesh(self, what: str) -> Mesh | AbstractMesh:
         if self.mesh is None:
             raise ValueError(
                 f"CommReport.{what} needs the mesh to name the axes of each collective; this "
@@ -218,7 +219,7 @@ class CommReport:
             named = self.mesh is not None and sum(n > 1 for n in self.mesh.shape.values()) > 1
             for c in self.compiled:
                 try:
-                    axes = c.axes(self.mesh) if named else None
+                    axes = c.axes(self.mesh) if named and self.mesh is not None else None
                 except ValueError:  # a mesh that does not fit this program
                     axes = None
                 where = "" if axes is None else f" (axes {axes_label(axes)})"
@@ -269,7 +270,7 @@ def communication_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> C
     return CommReport.of(lowered, compiled)
 
 
-def _mesh_of_tree(tree: Any) -> Mesh | None:
+def _mesh_of_tree(tree: Any) -> Mesh | AbstractMesh | None:
     for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, NamedSharding)):
         sharding = leaf if isinstance(leaf, NamedSharding) else getattr(leaf, "sharding", None)
         if isinstance(sharding, NamedSharding):
