@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jaxtyping import PyTree
 
 from .._sharding import gather
@@ -50,7 +51,10 @@ def progress(iterable: Iterable, *, total: int | None = None, desc: str = "train
         # In a log, `set_postfix` must not redraw the bar on every call: the new numbers
         # show at the next (throttled) refresh instead.
         set_postfix = bar.set_postfix
-        bar.set_postfix = lambda *args, refresh=False, **kw: set_postfix(*args, refresh=refresh, **kw)
+        def quiet_set_postfix(*args, refresh: bool | None = False, **kw) -> None:
+            set_postfix(*args, refresh=refresh, **kw)
+
+        bar.set_postfix = quiet_set_postfix
     return bar
 
 
@@ -111,6 +115,7 @@ class Throughput:
         (NaN before a second step); what runs after the loop does not count."""
         if not self._steps:
             return float("nan")
+        assert self._last is not None and self._started is not None  # set by the first step
         return self.per_step * self._steps / (self._last - self._started)
 
 
@@ -166,7 +171,7 @@ def parameter_digest(tree: PyTree) -> str:
     import numpy as np
 
     def raw(x):
-        if eqx.is_array(x) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        if eqx.is_array(x) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
             return jax.random.key_data(x)
         return x
 

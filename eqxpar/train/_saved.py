@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.core
 
 _RECORD: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("eqxpar_saved_activations", default=None)
 
@@ -31,9 +32,10 @@ _RECORD: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("eqxp
 @contextlib.contextmanager
 def recording_saved_activations() -> Iterator[list[int]]:
     """While open, every traced per-device gradient appends its saved bytes to the list."""
-    token = _RECORD.set([])
+    recorded: list[int] = []
+    token = _RECORD.set(recorded)
     try:
-        yield _RECORD.get()
+        yield recorded
     finally:
         _RECORD.reset(token)
 

@@ -8,6 +8,8 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.core
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import PyTree
@@ -43,7 +45,7 @@ def _join_arrays(arrays: list, static: _Static) -> PyTree:
 
 
 def _is_key(key: Any) -> bool:
-    if isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         return key.shape == ()
     # A raw uint32[2] key, as jax.random.PRNGKey makes.
     return isinstance(key, (jax.Array, np.ndarray)) and key.dtype == np.uint32 and key.shape == (2,)
