@@ -42,6 +42,10 @@ def plan_error(plan, **kwargs):
         # A column layer whose split output would reach a layer that wants it whole.
         ({"blocks[0].mlp.layers[0]": "column"}, {}, "blocks[0].mlp.layers[1]", "that would need an all-gather"),
         ({"blocks[0].mlp": "mlp", "blocks[0].mlp.layers[0]": "column"}, {}, "blocks[0].mlp", "overlap"),
+        # A Linear inside a MultiheadAttention split on its own: MHA's reshape into heads
+        # would cut across devices' slices and train silently wrong (issue 20: loss 3.5e-3 off).
+        ({"blocks[1].attention.value_proj": "column", "blocks[1].attention.output_proj": "row"}, {},
+         "blocks[1].attention.value_proj", "plan {'blocks[1].attention': 'attention'}"),
         ({lambda m: m.blocks[0].mlp.activation: "replicate"}, {}, "", "not a layer"),
         ({lambda m: m.nothing: "mlp"}, {}, "", "failed on the model"),
         ("everything", {}, "", "plan must be None"),
