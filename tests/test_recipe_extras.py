@@ -233,6 +233,17 @@ def test_eqxpar_data_without_grain_names_the_extra(monkeypatch):
         importlib.import_module("eqxpar.data")
 
 
+def test_log_dir_without_tensorboardx_is_one_line_with_the_install_hint(monkeypatch, tmp_path, capsys):
+    recipe = load_recipe("data_parallel")
+    hide(monkeypatch, "tensorboardX")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        recipe.main(["--steps", "1", "--log-dir", str(tmp_path / "logs")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2
+    assert err == f"data_parallel.py: error: {HINT.format('tensorboardX', '--log-dir', 'recipes')}\n"
+
+
 def test_flags_without_tyro_and_logs_without_tensorboardx_name_the_extra(monkeypatch, tmp_path):
     import eqxpar.recipe
 

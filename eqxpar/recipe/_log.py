@@ -43,12 +43,15 @@ class LogFlags:
 
 
 def check_log_flags(cfg: Any) -> None:
-    """`ValueError` for `--log-every` below 1 or `--eval-every` below 0 (`parse_flags` calls it
-    for every config derived from [`eqxpar.recipe.LogFlags`][])."""
+    """`ValueError` for `--log-every` below 1 or `--eval-every` below 0, `MissingDependency`
+    for `--log-dir` without tensorboardX (`parse_flags` calls it for every config derived from
+    [`eqxpar.recipe.LogFlags`][])."""
     if cfg.log_every < 1:
         raise ValueError(f"--log-every must be at least 1, got {cfg.log_every}.")
     if getattr(cfg, "eval_every", 0) < 0:
         raise ValueError(f"--eval-every must be at least 0 (0: no evaluation during training), got {cfg.eval_every}.")
+    if cfg.log_dir is not None:  # before anything compiles: one line naming the install
+        require("tensorboardX", package="tensorboardX", extra="recipes", purpose="--log-dir", load=False)
 
 
 def _plain(value: Any) -> Any:
