@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", default=[], help="only these mutants (comma-separated; may repeat)")
     parser.add_argument("--list", action="store_true", help="list the mutants and their tests, run nothing")
     parser.add_argument("--ref", default=None, help="copy this git commit instead of the working tree")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds per pytest run (default 600)")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per mutant (and per baseline test id)")
     parser.add_argument("--skip-baseline", action="store_true", help="do not run the unmutated tests first")
     parser.add_argument("--keep", action="store_true", help="keep the temporary copy (its path is printed)")
     args = parser.parse_args(argv)
@@ -244,7 +244,7 @@ def run_all(mutants: list[Mutant], copy: Path, args) -> int:
 
     if not args.skip_baseline:
         for group in baseline_groups(mutants):
-            rc, out, seconds = run_pytest(copy, group, args.timeout)
+            rc, out, seconds = run_pytest(copy, group, args.timeout * len(group))
             if rc != 0:
                 why = "timeout" if rc is None else f"exit {rc}"
                 message = f"baseline FAILED ({why}, {seconds:.0f}s): the unmutated tests must pass first."
