@@ -29,6 +29,7 @@ is ignored.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import equinox as eqx
@@ -55,6 +56,7 @@ class Config(eqxpar.recipe.CheckpointFlags, eqxpar.recipe.LogFlags):  # + checkp
     width: int = 128  # hidden layer width
     seed: int = 0  # seeds the model and the batch order
     metrics_out: str | None = None  # write the results as JSON here (process 0)
+    eval_every: int = 0  # test accuracy every N steps (printed, and in --log-dir); 0: only at the end
 
 
 # --- Model and loss (the same as recipes/data_parallel.py) ------------------------------------
@@ -132,6 +134,7 @@ def main(argv=None) -> dict:
 
     # --log-dir (process 0 writes): metrics every --log-every steps, TensorBoard, config.json.
     run_log = eqxpar.recipe.RunLog.from_config(cfg, items_per_step=cfg.batch_size, items="examples")
+    x_test, y_test = eqxpar.shard((data.x_test, data.y_test), mesh)  # held out: every process calls accuracy
     start = time.perf_counter()
     metrics = None
     steps = eqxpar.recipe.steps_to_run(first_step, cfg.steps)  # none left: says so
@@ -139,6 +142,7 @@ def main(argv=None) -> dict:
     for i in bar:
         model, opt_state, metrics = step(model, opt_state, load(i))
         run_log.step(i, metrics)
+        run_log.maybe_eval(i, test_accuracy=functools.partial(accuracy, model, x_test, y_test))
         if i % 20 == 0 or i == cfg.steps - 1:
             bar.set_postfix(loss=f"{float(metrics['loss']):.4f}", refresh=False)
         ckpt.maybe_save(i + 1, (model, opt_state), force=i + 1 == cfg.steps)
@@ -149,11 +153,11 @@ def main(argv=None) -> dict:
     # The loss and the model are replicated on every device of every process, so every
     # process can read them; only process 0 prints and writes.
     final_loss = float(metrics["loss"]) if metrics is not None else None  # None (null): no step run
-    x_test, y_test = eqxpar.shard((data.x_test, data.y_test), mesh)
     test_accuracy = float(accuracy(model, x_test, y_test))
     result = {
         "final_loss": final_loss,
         "test_accuracy": test_accuracy,
+        "test_accuracies": run_log.evals,  # every --eval-every steps: {"step", "test_accuracy"}
         "steps": cfg.steps,
         "processes": info.num_processes,
         "devices": int(mesh.size),
