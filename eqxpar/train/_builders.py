@@ -93,8 +93,7 @@ def _build(
         check_batch_divides(batch, who, n_batch, grad_accum, batch_axis)
         if context_axis is not None:
             check_sequence_divides(batch, who, n_context, context_axis)
-        if has_state:
-            check_batch_norms(model, batch_axis, who)
+        check_batch_norms(model, batch_axis, who, tuple(mesh.axis_names))
         specs = specs_for(model)
         plans = leaf_plans(specs, model, batch_axes, who)
         grad_specs = jax.tree.map(lambda s, x: s if eqx.is_inexact_array(x) else None, specs, model, is_leaf=is_spec)

@@ -86,21 +86,65 @@ def check_batch_divides(
         )
 
 
-def check_batch_norms(model: PyTree, batch_axis: Any, who: str) -> None:
-    """Every eqx.nn.BatchNorm must average over the batch axes too, or its state diverges."""
-    is_bn = lambda x: isinstance(x, eqx.nn.BatchNorm)  # noqa: E731
-    for path, layer in jax.tree_util.tree_flatten_with_path(model, is_leaf=is_bn)[0]:
-        if not is_bn(layer):
+def _reduced_axes(node: Any) -> tuple[str, ...] | None:
+    """The axis names a layer reduces over, if it is one that names them: an `axis_name`
+    field holding a name or a tuple of names (None for any other node)."""
+    if not isinstance(node, eqx.Module) or isinstance(node, TensorParallelLayer):
+        return None
+    names = getattr(node, "axis_name", None)
+    if isinstance(names, str):
+        return (names,)
+    if isinstance(names, (tuple, list)) and names and all(isinstance(n, str) for n in names):
+        return tuple(names)
+    return None
+
+
+def _modules(tree: Any, path: tuple = ()) -> Any:
+    """Every node of `tree` with its key path, not looking inside tensor-parallel layers."""
+    yield path, tree
+    if isinstance(tree, TensorParallelLayer):
+        return
+    kids = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)[0]
+    if len(kids) == 1 and kids[0][1] is tree:
+        return
+    for key, child in kids:
+        yield from _modules(child, path + key)
+
+
+def _holds_state(node: Any) -> bool:
+    is_index = lambda x: isinstance(x, eqx.nn.StateIndex)  # noqa: E731
+    return any(is_index(x) for x in jax.tree.leaves(node, is_leaf=is_index))
+
+
+def check_batch_norms(model: PyTree, batch_axis: Any, who: str, mesh_axes: tuple[str, ...] = ()) -> None:
+    """Every layer that takes statistics over the batch must take them over the batch axes
+    too, or each device normalises by its own shard's statistics (gradients off, 130x in
+    issue 20's case) and its running statistics diverge from the other devices'.
+
+    Such a layer is found by what it does, not by its class (`eqx.nn.BatchNorm` and any
+    user's or library's batch norm alike): an Equinox Module (not a tensor-parallel layer)
+    with an `axis_name` field naming the axes it reduces over, that either keeps state
+    (holds an `eqx.nn.StateIndex`: running statistics) or names an axis that is not on the
+    mesh (only the loss's own `vmap` binds such an axis, so the layer reduces over the
+    examples of the batch). Layers that name only mesh axes and keep no state (a
+    tensor-parallel layer of one's own over `model`) reduce over something else and pass.
+    """
+    batch = axis_names(batch_axis)
+    for path, layer in _modules(model):
+        names = _reduced_axes(layer)
+        if names is None or not (_holds_state(layer) or any(n not in mesh_axes for n in names)):
             continue
-        names = axis_names(layer.axis_name)
-        missing = [a for a in axis_names(batch_axis) if a not in names]
+        missing = [a for a in batch if a not in names]
         if missing:
+            kind = type(layer).__name__
             raise ValueError(
-                f"{who}: the BatchNorm at model{jax.tree_util.keystr(path)} has "
-                f"axis_name={layer.axis_name!r}, which lacks the batch axis {missing[0]!r}: its "
-                f"statistics would cover one device's shard only, and the running statistics "
-                f"would differ between devices. Give it both the vmap axis and the batch axis, "
-                f"e.g. eqx.nn.BatchNorm(..., axis_name=({names[0]!r}, {missing[0]!r}))."
+                f"{who}: the {kind} at model{jax.tree_util.keystr(path)} has "
+                f"axis_name={layer.axis_name!r}, which lacks the batch axis {missing[0]!r}: it "
+                f"reduces over the examples of the batch (it keeps running statistics or reduces "
+                f"over a vmap axis), so its statistics would cover one device's shard only, the "
+                f"gradients would be wrong and the running statistics would differ between "
+                f"devices. Give it both the vmap axis and the batch axis, e.g. "
+                f"{kind}(..., axis_name=({names[0]!r}, {missing[0]!r}))."
             )
 
 
