@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
-from .._dtypes import at_least_float32
+from .._promotion import at_least_float32
 from ._base import TensorParallelLayer, gather_sequence, skeleton, to_varying
 from ._linear import ColumnParallelLinear, RowParallelLinear
 from ._ring_attention import LAYOUTS, all_gather_attention, ring_attention

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .._dtypes import at_least_float32
+from .._promotion import at_least_float32
 from ._base import TensorParallelLayer, scatter_sequence
 
 __all__ = ["VocabParallelEmbedding", "vocab_parallel_cross_entropy"]

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from .._promotion import with_rank
 from ._base import TensorParallelLayer, gather_sequence, local_block, scatter_sequence, skeleton, to_varying
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
@@ -291,7 +292,7 @@ class RowParallelLinear(TensorParallelLayer):
                 # The forward all-reduce: add up the devices' partial products.
                 y = jax.lax.psum(partial_y, self.axis_name)
             if self.bias is not None:
-                y = y + jnp.broadcast_to(self.bias, y.shape)  # once, after the psum
+                y = y + with_rank(self.bias, y.ndim)  # once, after the psum
             return y
 
 
@@ -301,7 +302,7 @@ def linear(x: Array, weight: Array, bias: Array | None) -> Array:
         y = weight @ x  # one example: exactly eqx.nn.Linear's product
     else:
         y = jnp.einsum("...i,oi->...o", x, weight)
-    return y if bias is None else y + jnp.broadcast_to(bias, y.shape)
+    return y if bias is None else y + with_rank(bias, y.ndim)
 
 
 def _dense_linear(in_features: int, out_features: int, weight, bias) -> eqx.nn.Linear:

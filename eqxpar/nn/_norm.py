@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from .._dtypes import at_least_float32
+from .._promotion import at_least_float32, with_rank
 from .._shard_map import varying_axes
 from ._base import to_varying
 
@@ -77,9 +77,9 @@ def _normalize_fwd(x, weight, bias, eps):
     variance = jnp.maximum(0.0, jnp.var(x, axis=-1, keepdims=True))
     inverse = jax.lax.rsqrt(variance + eps)
     normalised = (x - mean) * inverse
-    # weight and bias, shape (dim,), broadcast explicitly over x's leading dimensions.
-    out = normalised if weight is None else jnp.broadcast_to(weight, x.shape) * normalised
-    out = out if bias is None else out + jnp.broadcast_to(bias, x.shape)
+    # weight and bias, shape (dim,), given x's rank explicitly (size-1 leading axes).
+    out = normalised if weight is None else with_rank(weight, x.ndim) * normalised
+    out = out if bias is None else out + with_rank(bias, x.ndim)
     return out, (normalised, inverse, weight, None if bias is None else ())
 
 
@@ -88,7 +88,7 @@ def _normalize_bwd(eps, residuals, d_out):
     rows = tuple(range(d_out.ndim - 1))
     d_weight = None if weight is None else jnp.sum(d_out * normalised, axis=rows)
     d_bias = None if has_bias is None else jnp.sum(d_out, axis=rows)
-    d_normalised = d_out if weight is None else d_out * jnp.broadcast_to(weight, d_out.shape)
+    d_normalised = d_out if weight is None else d_out * with_rank(weight, d_out.ndim)
     d_x = inverse * (
         d_normalised
         - jnp.mean(d_normalised, axis=-1, keepdims=True)
