@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 from ._base import TensorParallelLayer
 from ._convert import from_dense
-from ._plan import STYLES, Plan, PlanRow, describe, has_arrays, is_unit, path_text, resolve, units, walk
+from ._plan import STYLES, Plan, PlanRow, describe, has_arrays, is_unit, path_text, resolve, stacked_weight, units, walk
 
 __all__ = ["parallelize", "auto_plan"]
 
@@ -28,6 +28,8 @@ def _auto_style(node: Any) -> tuple[str, str]:
     """The automatic plan's style for one layer, and a note when it stays whole."""
     if isinstance(node, TensorParallelLayer):
         return "kept", "already tensor-parallel: left as it is"
+    if (stacked := _stacked_problem(node)) is not None:
+        return "replicate", f"{stacked}: stays whole"
     if isinstance(node, eqx.nn.MultiheadAttention):
         return "attention", ""
     if isinstance(node, eqx.nn.Embedding):
@@ -38,6 +40,21 @@ def _auto_style(node: Any) -> tuple[str, str]:
             return "mlp", ""
         return "replicate", f"{problem}: stays whole (an explicit plan can split its Linears as 'column'/'row')"
     return "replicate", ""
+
+
+def _stacked_problem(node: Any) -> str | None:
+    """Why `node` cannot be split as one layer: layers stacked with `eqx.filter_vmap`."""
+    found = stacked_weight(node)
+    if found is None:
+        return None
+    where, shape = found
+    return (
+        f"its {where} has shape {shape}, with {len(shape) - 2} axis in front of the layer's own "
+        f"two: layers stacked with eqx.filter_vmap (for lax.scan), and a split would cut that "
+        f"layer axis. Split per layer instead (keep the layers in a list and plan each), or "
+        f"stack tensor-parallel layers with eqxpar.nn.StackedLayers (its scan never splits the "
+        f"layer axis)"
+    )
 
 
 def _mlp_problem(mlp: eqx.nn.MLP) -> str | None:
@@ -65,6 +82,8 @@ def _fit_problem(style: str, node: Any) -> str | None:
     }[style]
     if not isinstance(node, wanted):
         return f"style {style!r} takes an {STYLES[style].takes}"
+    if (stacked := _stacked_problem(node)) is not None:
+        return stacked
     if isinstance(node, eqx.nn.Linear) and "scalar" in (node.in_features, node.out_features):
         return "a Linear with a 'scalar' input or output has nothing to split"
     if isinstance(node, eqx.nn.MLP):

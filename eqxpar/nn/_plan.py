@@ -107,6 +107,24 @@ def units(tree: Any, opened: set[Path], path: Path = ()) -> Iterator[tuple[Path,
         yield from units(child, opened, path + key)
 
 
+def stacked_weight(node: Any) -> tuple[str, tuple[int, ...]] | None:
+    """Where `node` holds layers stacked with `eqx.filter_vmap` (to run with `lax.scan`): the
+    first `eqx.nn.Linear` or `eqx.nn.Embedding` in it (itself included) whose weight has
+    axes in front of its own two, as `(its path inside node, the weight's shape)`; None if
+    there is none. Such a weight's leading axis counts layers, which nothing may split."""
+    inside_tp: list[Path] = []  # tensor-parallel layers (StackedLayers) keep their own stacks
+    for path, sub in walk(node):
+        if any(path[: len(t)] == t for t in inside_tp):
+            continue
+        if isinstance(sub, TensorParallelLayer):
+            inside_tp.append(path)
+            continue
+        weight = getattr(sub, "weight", None)
+        if isinstance(sub, (eqx.nn.Linear, eqx.nn.Embedding)) and eqx.is_array(weight) and weight.ndim > 2:
+            return ".".join(filter(None, [path_text(path).replace("<root>", ""), "weight"])), tuple(weight.shape)
+    return None
+
+
 def _pattern(text: str) -> re.Pattern:
     text = text.strip()
     text = text[1:] if text.startswith(".") else text

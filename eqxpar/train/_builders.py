@@ -30,6 +30,7 @@ from ._checks import (
     check_builder,
     check_model_axes,
     check_sequence_divides,
+    check_units,
     context_split,
 )
 from ._fsdp import fsdp_specs
@@ -94,6 +95,8 @@ def _build(
         if context_axis is not None:
             check_sequence_divides(batch, who, n_context, context_axis)
         check_batch_norms(model, batch_axis, who, tuple(mesh.axis_names))
+        if units is not None:
+            check_units(model, units, who)
         specs = specs_for(model)
         plans = leaf_plans(specs, model, batch_axes, who)
         grad_specs = jax.tree.map(lambda s, x: s if eqx.is_inexact_array(x) else None, specs, model, is_leaf=is_spec)

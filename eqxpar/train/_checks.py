@@ -12,7 +12,8 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, PyTree
 
 from .._specs import AxisNames, axis_names, check_axes, path_str
-from ..nn import TensorParallelLayer
+from ..nn import StackedLayers, TensorParallelLayer
+from ..nn._plan import stacked_weight
 
 
 def check_builder(who: str, loss_fn: Any, optimizer: Any, mesh: Any, batch_axis: Any, grad_accum: Any, has_state: Any) -> int:
@@ -146,6 +147,26 @@ def check_batch_norms(model: PyTree, batch_axis: Any, who: str, mesh_axes: tuple
                 f"devices. Give it both the vmap axis and the batch axis, e.g. "
                 f"{kind}(..., axis_name=({names[0]!r}, {missing[0]!r}))."
             )
+
+
+def check_units(model: PyTree, units: Any, who: str) -> None:
+    """Each FSDP unit is gathered when it is called; layers stacked with `eqx.filter_vmap`
+    (a layer axis in front of every array, run with `lax.scan`) are never called as a
+    whole, and gathering them on call failed with "axis 1 is out of bounds"."""
+    picked = units(model)
+    for i, node in enumerate(picked if isinstance(picked, (tuple, list)) else (picked,)):
+        found = None if isinstance(node, StackedLayers) else stacked_weight(node)
+        if found is None:
+            continue
+        where = next((jax.tree_util.keystr(p) for p, n in _modules(model) if n is node), f"units(model)[{i}]")
+        raise ValueError(
+            f"{who}: units names model{where}, layers stacked with eqx.filter_vmap: its "
+            f"{found[0]} has shape {found[1]}, with a layer axis in front. A unit is gathered "
+            f"when it is called, and a lax.scan over the stack never calls it whole. Name the "
+            f"layers one by one (keep them in a list: units=lambda m: tuple(m.blocks)), stack "
+            f"them with eqxpar.nn.StackedLayers (whose scan gathers one layer at a time), or "
+            f"leave units out (the stack is then gathered whole)."
+        )
 
 
 def checked_loss(value: Any, has_state: bool, who: str) -> tuple[Array, Any]:
