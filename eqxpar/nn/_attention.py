@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Literal
 
 import equinox as eqx
@@ -227,6 +228,7 @@ class ParallelMultiheadAttention(TensorParallelLayer):
         key: PRNGKeyArray | None = None,
         inference: bool | None = None,
         sequence_dim: int | None = None,
+        process_heads: Callable[[Array, Array, Array], tuple[Array, Array, Array]] | None = None,
     ) -> Float[Array, "*batch q_seq o_size"]:
         """Apply attention on one device (inside `shard_map`).
 
@@ -246,6 +248,9 @@ class ParallelMultiheadAttention(TensorParallelLayer):
           blocks of their sequences along this dimension (`-2`: the sequence dimension),
           all-gathered once on the way in, and the output is reduce-scattered back to this
           device's block of the queries. `mask` covers the whole sequences. Default None.
+        - `process_heads`: as in `eqx.nn.MultiheadAttention` (e.g. rotary embeddings), given
+          this device's heads (`(seq, heads, size)` per example): it must treat every head
+          alike, as rotary embeddings do. Not with `"ring"`/`"all_gather"` attention.
 
         **Returns:**
 
@@ -278,6 +283,8 @@ class ParallelMultiheadAttention(TensorParallelLayer):
             q = self.query_proj(q_in).reshape(*lead, q_seq, heads, self.qk_size)
             k = self.key_proj(k_in).reshape(*lead, kv_seq, heads, self.qk_size)
             v = self.value_proj(v_in).reshape(*lead, kv_seq, heads, self.vo_size)
+            if process_heads is not None:
+                q, k, v = self._process_heads(process_heads, q, k, v, len(lead))
 
             mask = _local_mask(mask, len(lead), first, heads, self.num_heads)
             dropout_off = inference if inference is not None else self.dropout.inference
@@ -297,6 +304,21 @@ class ParallelMultiheadAttention(TensorParallelLayer):
                 out = reference_attention(q, k, v, mask, self.dropout, keys, inference)
             # Row-parallel output projection: partial products of our heads, then the psum.
             return self.output_proj(out.reshape(*lead, q_seq, heads * self.vo_size), sequence_dim=sequence_dim)
+
+    def _process_heads(self, process_heads: Callable, q, k, v, batch_dims: int):
+        """`process_heads` on this device's heads of each example, as the dense layer calls it."""
+        if self.attention_impl in ("ring", "all_gather"):
+            raise ValueError(
+                f"ParallelMultiheadAttention: process_heads (e.g. rotary embeddings) needs whole "
+                f"sequences, but attention_impl={self.attention_impl!r} gives each device a block "
+                f"of positions; use attention_impl='dot_product' or 'reference'."
+            )
+        for _ in range(batch_dims):
+            process_heads = jax.vmap(process_heads)
+        out = process_heads(q, k, v)
+        if tuple(x.shape for x in out) != (q.shape, k.shape, v.shape):
+            raise ValueError("ParallelMultiheadAttention: process_heads must not change the shape of the heads.")
+        return out
 
     def _context_attention(self, q, k, v, mask, dropout_off: bool):
         """Attention over a sequence split across the context axis (see `attention_impl`)."""
