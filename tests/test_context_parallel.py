@@ -44,7 +44,7 @@ class Toy(eqx.Module):
         self.head = jax.random.normal(k[4], (DIM, VOCAB)) / math.sqrt(DIM)
 
     def __call__(self, tokens, positions, attend):
-        x = self.embed[tokens] + self.pos[positions]
+        x = self.embed[tokens] + self.pos[positions][None]  # positions: (seq,), the same for every row
         q, k, v = jnp.split(x @ self.qkv, 3, axis=-1)
         q, k, v = (t.reshape(*t.shape[:-1], HEADS, DIM // HEADS) for t in (q, k, v))
         x = x + attend(q, k, v).reshape(x.shape) @ self.out

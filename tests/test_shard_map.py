@@ -125,7 +125,7 @@ def test_wrapping_an_equinox_transform_under_filter_jit_gives_no_warning():
     import warnings
 
     mesh = eqxpar.make_mesh(data=2)
-    grad = eqx.filter_grad(lambda w, x: jax.lax.psum(jnp.sum(w * x), "data"))
+    grad = eqx.filter_grad(lambda w, x: jax.lax.psum(jnp.sum(w[None] * x), "data"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         f = eqx.filter_jit(eqxpar.filter_shard_map(grad, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
