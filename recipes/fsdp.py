@@ -23,6 +23,7 @@ The same seed gives the same losses as hybrid_gpt.py on any mesh (up to float ro
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal
 
 import jax
@@ -57,6 +58,7 @@ class Config(eqxpar.recipe.CheckpointFlags, eqxpar.recipe.LogFlags):  # + checkp
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; bfloat16: float32 master weights, gradient sums
     attention: Literal["dot_product", "reference"] = "dot_product"  # dot_product: cuDNN flash attention on GPU
     scan_layers: bool = False  # stack the blocks and run them with jax.lax.scan, gathering one layer at a time
+    eval_every: int = 0  # held-out loss every N steps (printed, and in --log-dir); 0: only at the end
 
 
 def check_flags(cfg: Config) -> Config:
@@ -88,9 +90,10 @@ def main(argv=None) -> dict:
     sizes.setdefault("model", 1)
     mesh = eqxpar.make_mesh(**sizes)
 
-    # --- Data: as in hybrid_gpt.py, each batch a pure function of (seed, step). ---
+    # --- Data: as in hybrid_gpt.py, each batch a pure function of (seed, step); the last 10% held out. ---
     text = python_source_text()
-    train_ids = text.ids[: int(0.9 * len(text.ids))]
+    split = int(0.9 * len(text.ids))
+    train_ids, val_ids = text.ids[:split], text.ids[split:]
 
     # --- Model and where it lives: every weight split over `fsdp` (on top of `model`). ---
     model_key, train_key, _ = jax.random.split(jax.random.key(cfg.seed), 3)  # as hybrid_gpt.py
@@ -99,7 +102,8 @@ def main(argv=None) -> dict:
         attention_impl=cfg.attention, scan_layers=cfg.scan_layers,
     )
     flops_per_token = eqxpar.models.gpt_flops_per_token(model)  # 6 N + attention, forward and backward
-    specs = fsdp_specs(model, mesh, batch_axis="fsdp", param_specs=eqxpar.nn.partition_specs(model, mesh))
+    layer_specs = eqxpar.nn.partition_specs(model, mesh)  # the tensor-parallel split over `model`
+    specs = fsdp_specs(model, mesh, batch_axis="fsdp", param_specs=layer_specs)
     optimizer = optax.adamw(cfg.learning_rate)
 
     # --- The FSDP step. `loss_fn` sees the whole model: the step gathers each block's
@@ -133,6 +137,11 @@ def main(argv=None) -> dict:
     (model, opt_state, train_key), first_step, history = ckpt.restore((model, opt_state, train_key))
     losses = history["losses"] if history else []
 
+    # The held-out loss, every --eval-every steps and at the end: the model gathered from
+    # its `fsdp` slices into the tensor-parallel layout, on the same windows as hybrid_gpt.py.
+    evaluate = eqxpar.recipe.held_out_loss(lambda model, tokens: next_token_loss(model, tokens), mesh, layer_specs)
+    val_tokens = text_windows(val_ids, 64, cfg.context, seed=1234, step=0)
+
     # --- Training loop. --log-dir: metrics every --log-every steps, TensorBoard, config.json. ---
     run_log = eqxpar.recipe.RunLog.from_config(
         cfg, items_per_step=cfg.batch_size * cfg.context, flops_per_item=flops_per_token, n_devices=mesh.size
@@ -145,12 +154,14 @@ def main(argv=None) -> dict:
         losses.append(float(metrics["loss"]))
         throughput.tick()
         run_log.step(i, metrics)
+        run_log.maybe_eval(i, val_loss=functools.partial(evaluate, model, val_tokens))
         if i % 10 == 0 or i == cfg.steps - 1:
             bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{throughput.per_second:,.0f}")
         ckpt.maybe_save(i + 1, (model, opt_state, train_key), data_state={"losses": losses}, force=i + 1 == cfg.steps)
     ckpt.close()
     run_log.close()
     tokens_per_second = throughput.per_second
+    val_loss = float(evaluate(model, val_tokens))
 
     metrics = {
         "mesh": cfg.mesh,
@@ -159,6 +170,8 @@ def main(argv=None) -> dict:
         "first_loss": losses[0],
         "final_loss": losses[-1],
         "final_loss_mean10": float(np.mean(losses[-10:])),
+        "val_loss": val_loss,
+        "val_losses": run_log.evals,  # every --eval-every steps: {"step", "val_loss"}
         # tokens_per_second, flops_per_token, flops_per_second, and the model FLOPs
         # utilisation against the chips' peak (mfu; null where the peak is unknown: CPU, and
         # all three null where no step was timed: --steps 1, or a finished run resumed).
@@ -178,7 +191,8 @@ def main(argv=None) -> dict:
     if eqxpar.recipe.is_main_process():
         print(
             f"{cfg.mesh}{' remat' if cfg.remat else ''}: loss {metrics['first_loss']:.3f} -> "
-            f"{metrics['final_loss_mean10']:.3f} (last 10 steps); {eqxpar.recipe.speed_text(metrics)}; "
+            f"{metrics['final_loss_mean10']:.3f} (last 10 steps), held-out {val_loss:.3f}; "
+            f"{eqxpar.recipe.speed_text(metrics)}; "
             f"parameters + optimizer state {stored.bytes_per_device:,} of {stored.bytes_total:,} bytes "
             f"per device ({stored.bytes_total / stored.bytes_per_device:.1f}x less than one device)"
         )

@@ -21,6 +21,7 @@ cfg = eqxpar.recipe.parse_flags(Config, validate=check_flags)  # bad flags: one 
 ```
 """
 
+from ._evaluate import held_out_loss
 from ._flags import (
     CheckpointFlags,
     flag_error,
@@ -54,4 +55,5 @@ __all__ = [
     "Throughput",
     "LogFlags",
     "RunLog",
+    "held_out_loss",
 ]
