@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 
 from ._base import TensorParallelLayer
 from ._convert import from_dense
+from ._coverage import check_coverage
 from ._plan import STYLES, Plan, PlanRow, describe, has_arrays, is_unit, path_text, resolve, stacked_weight, units, walk
 
 __all__ = ["parallelize", "auto_plan"]
@@ -224,6 +225,7 @@ def parallelize(
     axis_name: str = "model",
     mesh: Mesh | None = None,
     return_plan: bool = False,
+    strict: bool = False,
 ) -> Any:
     """A plain Equinox model with tensor-parallel layers in place of dense ones, by a plan.
 
@@ -263,6 +265,8 @@ def parallelize(
       [`eqxpar.nn.partition_specs`][]`(model, mesh)` checks it, also before any compile).
     - `return_plan`: also return the [`eqxpar.nn.Plan`][] applied (`print(plan)` shows a
       table of every layer, its style and its collectives).
+    - `strict`: raise, instead of warning, when the plan splits no layer or leaves most of
+      the parameters whole (the message lists the largest whole layers and why).
 
     **Returns:**
 
@@ -307,6 +311,7 @@ def parallelize(
         if has_arrays(node) or style != "replicate":
             seq.append((p, node, style))
     _check_pairs([s for s in seq if has_arrays(s[1])], axis_name)
+    check_coverage(seq, notes, explicit=isinstance(plan, Mapping), strict=strict)
 
     rows, new = [], {}
     last = seq[-1][0] if seq else None
