@@ -20,6 +20,7 @@ Run it:
     python recipes/long_context.py --mesh data=1,context=1,model=1  # one device, the same losses
     python recipes/long_context.py --attention all_gather --metrics-out /tmp/lc.json
     python recipes/long_context.py --sequence-parallel                 # + Megatron SP over model
+    python recipes/long_context.py --checkpoint-dir /tmp/lc --checkpoint-every 5 --resume
 
 The same seed gives the same losses on every mesh (up to float rounding).
 """
@@ -27,6 +28,7 @@ The same seed gives the same losses on every mesh (up to float rounding).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal
 
 import jax
@@ -45,7 +47,7 @@ MODES = ("ring", "all_gather")
 
 
 @dataclasses.dataclass
-class Config(eqxpar.recipe.LogFlags):  # + --log-dir, --log-every
+class Config(eqxpar.recipe.CheckpointFlags, eqxpar.recipe.LogFlags):  # + checkpoint flags, --log-dir, --log-every
     devices: int = 8  # simulated CPU devices when there is no accelerator
     mesh: str = "auto"  # data, context and model axes, e.g. data=2,context=2,model=2; auto: fit the devices
     attention: Literal["ring", "all_gather"] = "ring"  # ring: K/V blocks passed on; all_gather: K/V gathered per layer
@@ -61,6 +63,7 @@ class Config(eqxpar.recipe.LogFlags):  # + --log-dir, --log-every
     learning_rate: float = 3e-3  # AdamW step size
     seed: int = 0  # seeds the weights and the batches
     metrics_out: str | None = None  # write the results as JSON here
+    eval_every: int = 0  # held-out loss every N steps (printed, and in --log-dir); 0: only at the end
 
 
 def check_flags(cfg: Config) -> Config:
@@ -94,16 +97,23 @@ def check_flags(cfg: Config) -> Config:
 
 def main(argv=None) -> dict:
     cfg = eqxpar.recipe.parse_flags(Config, argv, validate=check_flags)  # bad flags: one line, exit 2
+    # Checks --checkpoint-dir now, before anything compiles: checkpoints there need --resume,
+    # and --resume needs the saved model's --seq-len, --dim and --layers; else one line, exit 2.
+    with eqxpar.recipe.flag_errors():
+        ckpt = eqxpar.checkpoint.Checkpointer.from_config(cfg, shape_fields=("seq_len", "dim", "layers", "scan_layers"))
     mesh = eqxpar.make_mesh(**eqxpar.parse_mesh(cfg.mesh))
     c = mesh.shape["context"]
 
-    # --- Data: windows of Python source; each step's batch depends on (seed, step) only. ---
+    # --- Data: windows of Python source; each step's batch depends on (seed, step) only.
+    # The last 10% of the text is held out. ---
     text = python_source_text()
+    split = int(0.9 * len(text.ids))
+    train_ids, val_ids = text.ids[:split], text.ids[split:]
     # The zigzag layout: put each sequence in the order the devices hold it, then split.
     order = layout_order(cfg.seq_len, c, "zigzag")
 
-    def batch(i: int):
-        windows = text_windows(text.ids, cfg.batch_size, cfg.seq_len, seed=cfg.seed, step=i)
+    def batch(i: int, ids=train_ids, seed=cfg.seed):
+        windows = text_windows(ids, cfg.batch_size, cfg.seq_len, seed=seed, step=i)
         inputs, targets = windows[:, :-1][:, order], windows[:, 1:][:, order]
         return eqxpar.shard((inputs, targets), mesh, P("data", "context"))
 
@@ -158,19 +168,36 @@ def main(argv=None) -> dict:
         print(activations.versus(saved=saved_bytes, temporaries=temp_bytes))
         print(comparison if comparison.rows else "one device: no collectives")
 
+    # --- Checkpoints (--checkpoint-dir, --checkpoint-every, --resume): the state as it is
+    # split, and the loss history. Batches depend on (seed, step) only, so a resumed run
+    # continues exactly as the interrupted one would have. ---
+    (model, opt_state), first_step, history = ckpt.restore((model, opt_state))
+    losses = history["losses"] if history else []
+
+    # The held-out loss, every --eval-every steps and at the end: held-out windows laid out
+    # as the training batches are, the devices' losses averaged over `data` and `context`.
+    evaluate = eqxpar.recipe.held_out_loss(
+        loss_fn, mesh, eqxpar.nn.partition_specs(model, mesh), batch_spec=P("data", "context")
+    )
+    val_batch = batch(0, ids=val_ids, seed=1234)
+
     # --- Training loop. --log-dir: metrics every --log-every steps, TensorBoard, config.json. ---
     run_log = eqxpar.recipe.RunLog.from_config(
         cfg, items_per_step=cfg.batch_size * cfg.seq_len,
         flops_per_item=eqxpar.models.gpt_flops_per_token(model), n_devices=mesh.size,
     )
-    losses = []
-    bar = eqxpar.recipe.progress(range(cfg.steps), desc=f"long context {cfg.mesh} {cfg.attention}")
+    steps = eqxpar.recipe.steps_to_run(first_step, cfg.steps)  # none left: says so
+    bar = eqxpar.recipe.progress(steps, desc=f"long context {cfg.mesh} {cfg.attention}")
     for i in bar:
         model, opt_state, metrics = step(model, opt_state, batch(i))
         losses.append(float(metrics["loss"]))
         run_log.step(i, metrics)
+        run_log.maybe_eval(i, val_loss=functools.partial(evaluate, model, val_batch))
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        ckpt.maybe_save(i + 1, (model, opt_state), data_state={"losses": losses}, force=i + 1 == cfg.steps)
+    ckpt.close()
     run_log.close()
+    val_loss = float(evaluate(model, val_batch))
 
     metrics = {
         "mesh": cfg.mesh,
@@ -180,6 +207,8 @@ def main(argv=None) -> dict:
         "steps": cfg.steps,
         "first_loss": losses[0],
         "final_loss": losses[-1],
+        "val_loss": val_loss,
+        "val_losses": run_log.evals,  # every --eval-every steps: {"step", "val_loss"}
         "remat": cfg.remat,
         "scan_layers": cfg.scan_layers,
         "temp_bytes_per_device": int(temp_bytes),
@@ -189,10 +218,11 @@ def main(argv=None) -> dict:
         "comm_bytes_measured": {f"{r.kind} {'/'.join(r.axes)}": int(r.compiled) for r in comparison.rows},
         "comm_bytes_theory": {f"{r.kind} {'/'.join(r.axes)}": int(r.theory) for r in comparison.rows},
         "comm_ratio": comparison.ratio() if comparison.rows else None,  # measured / theory, all bytes
+        "resumed_from_step": first_step,
         "param_digest": eqxpar.recipe.parameter_digest(model),
     }
     if eqxpar.recipe.is_main_process():
-        print(f"{cfg.mesh} ({cfg.attention}): loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+        print(f"{cfg.mesh} ({cfg.attention}): loss {losses[0]:.4f} -> {losses[-1]:.4f}, held-out {val_loss:.4f}")
     eqxpar.recipe.write_metrics(cfg.metrics_out, metrics)
     return metrics
 

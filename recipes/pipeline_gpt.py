@@ -13,6 +13,7 @@ per-device temporary memory and the ppermute bytes of the compiled step.
     python recipes/pipeline_gpt.py --schedule 1f1b --microbatches 16
     python recipes/pipeline_gpt.py --schedule circular --virtual-stages 2
     python recipes/pipeline_gpt.py --mesh stage=1,data=1            # one device: the same losses
+    python recipes/pipeline_gpt.py --checkpoint-dir /tmp/pipe --checkpoint-every 10 --resume
 
 Every mesh and schedule trains the same model on the same batches: the same final loss.
 """
@@ -20,6 +21,7 @@ Every mesh and schedule trains the same model on the same batches: the same fina
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal
 
 import jax
@@ -27,10 +29,11 @@ import numpy as np
 import optax
 
 import eqxpar
+import eqxpar.nn
 import eqxpar.recipe
 from eqxpar.datasets import python_source_text, text_windows
 from eqxpar.inspect import CommReport
-from eqxpar.models import GPT, gpt_stages
+from eqxpar.models import GPT, gpt_stages, next_token_loss
 from eqxpar.train import (
     SCHEDULES,
     bubble_theory,
@@ -40,7 +43,7 @@ from eqxpar.train import (
 
 
 @dataclasses.dataclass
-class Config(eqxpar.recipe.LogFlags):  # + --log-dir, --log-every
+class Config(eqxpar.recipe.CheckpointFlags, eqxpar.recipe.LogFlags):  # + checkpoint flags, --log-dir, --log-every
     devices: int = 8  # simulated CPU devices when there is no accelerator
     mesh: str = "auto"  # the stage axis splits the blocks, data the batch, e.g. stage=4,data=2 (optionally model=: tensor parallel in each stage); auto: fit the devices
     schedule: Literal["gpipe", "circular", "1f1b"] = "gpipe"  # the pipeline schedule (eqxpar.train.SCHEDULES)
@@ -56,6 +59,7 @@ class Config(eqxpar.recipe.LogFlags):  # + --log-dir, --log-every
     seed: int = 0  # seeds the weights and the batches
     remat: bool = False  # gpipe/circular: keep only each tick's inputs, recompute the rest backward
     metrics_out: str | None = None  # write the results as JSON here
+    eval_every: int = 0  # held-out loss every N steps (printed, and in --log-dir); 0: only at the end
 
 
 def check_flags(cfg: Config) -> Config:
@@ -84,10 +88,16 @@ def check_flags(cfg: Config) -> Config:
 
 def main(argv=None) -> dict:
     cfg = eqxpar.recipe.parse_flags(Config, argv, validate=check_flags)
+    # Checks --checkpoint-dir now, before anything compiles: checkpoints there need --resume,
+    # and --resume needs the saved model's --context, --dim and --layers; else one line, exit 2.
+    with eqxpar.recipe.flag_errors():
+        ckpt = eqxpar.checkpoint.Checkpointer.from_config(cfg, shape_fields=("context", "dim", "layers"))
     sizes = eqxpar.parse_mesh(cfg.mesh)
     mesh = eqxpar.make_mesh(**sizes)
     P, M, r = sizes["stage"], cfg.microbatches, cfg.virtual_stages
     text = python_source_text()
+    split = int(0.9 * len(text.ids))  # the last 10% held out
+    train_ids, val_ids = text.ids[:split], text.ids[split:]
     model_key = jax.random.key(cfg.seed)
     # The blocks stacked (scan_layers): one array per weight with a leading layer axis,
     # which the pipeline splits over `stage`.
@@ -99,7 +109,7 @@ def main(argv=None) -> dict:
     model, opt_state = step.init(model)
 
     def batch(i):
-        return shard_batch(text_windows(text.ids, cfg.batch_size, cfg.context, seed=cfg.seed, step=i), mesh, batch_axis="data")
+        return shard_batch(text_windows(train_ids, cfg.batch_size, cfg.context, seed=cfg.seed, step=i), mesh, batch_axis="data")
 
     # --- Theory and measurement, from the compiled program. ---
     lowered = step.lower(model, opt_state, batch(0))
@@ -137,12 +147,28 @@ def main(argv=None) -> dict:
         cfg, items_per_step=cfg.batch_size * cfg.context,
         flops_per_item=eqxpar.models.gpt_flops_per_token(model), n_devices=mesh.size,
     )
-    losses = []
-    for i in eqxpar.recipe.progress(range(cfg.steps), desc=f"pipeline {cfg.schedule}"):
+    # --- Checkpoints (--checkpoint-dir, --checkpoint-every, --resume): the model and optimizer
+    # state as the loop carries them (stacked layers split over `stage`), and the loss history.
+    # Batches depend on (seed, step) only: a resumed run continues as the interrupted one. ---
+    (model, opt_state), first_step, history = ckpt.restore((model, opt_state))
+    losses = history["losses"] if history else []
+
+    # The held-out loss, every --eval-every steps and at the end: the stacked layers gathered
+    # from their stages, the GPT run whole (tensor-parallel over any `model` axis).
+    evaluate = eqxpar.recipe.held_out_loss(
+        lambda model, tokens: next_token_loss(model, tokens), mesh, eqxpar.nn.partition_specs(model, mesh)
+    )
+    val_tokens = text_windows(val_ids, 64, cfg.context, seed=1234, step=0)
+    steps = eqxpar.recipe.steps_to_run(first_step, cfg.steps)  # none left: says so
+    for i in eqxpar.recipe.progress(steps, desc=f"pipeline {cfg.schedule}"):
         model, opt_state, metrics = step(model, opt_state, batch(i))
         losses.append(float(metrics["loss"]))
         run_log.step(i, metrics)
+        run_log.maybe_eval(i, val_loss=functools.partial(evaluate, model, val_tokens))
+        ckpt.maybe_save(i + 1, (model, opt_state), data_state={"losses": losses}, force=i + 1 == cfg.steps)
+    ckpt.close()
     run_log.close()
+    val_loss = float(evaluate(model, val_tokens))
     metrics = {
         "mesh": cfg.mesh,
         "schedule": cfg.schedule,
@@ -151,6 +177,8 @@ def main(argv=None) -> dict:
         "first_loss": losses[0],
         "final_loss": losses[-1],
         "final_loss_mean10": float(np.mean(losses[-10:])),
+        "val_loss": val_loss,
+        "val_losses": run_log.evals,  # every --eval-every steps: {"step", "val_loss"}
         "bubble_fraction": bubble,
         "bubble_theory": bubble_theory(cfg.schedule, P, M, r),
         "temp_bytes_per_device": int(temp),
@@ -158,9 +186,11 @@ def main(argv=None) -> dict:
         "ppermute_bytes_theory": permute_theory,
         "ppermute_bytes_measured": permute_measured,  # the pipeline's ppermutes, every tick
         "collective_permute_bytes_compiled": permute_compiled,  # circular: + XLA's weight moves
+        "resumed_from_step": first_step,
+        "param_digest": eqxpar.recipe.parameter_digest(model),  # of the whole (gathered) weights
     }
     if eqxpar.recipe.is_main_process():
-        print(f"{cfg.mesh} {cfg.schedule}: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+        print(f"{cfg.mesh} {cfg.schedule}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, held-out {val_loss:.4f}")
     eqxpar.recipe.write_metrics(cfg.metrics_out, metrics)
     return metrics
 
