@@ -61,6 +61,7 @@ def sequence_dropout(
         return dropout(x, key=key, inference=inference)
     if key is None:
         raise RuntimeError("Dropout requires a key when running in non-deterministic mode.")
+    assert length is not None  # given with rows
     q = 1 - jax.lax.stop_gradient(dropout.p)
     mask = jax.random.bernoulli(key, q, (*x.shape[:-2], length, x.shape[-1]))
     mask = jnp.take(mask, rows, axis=-2)
@@ -144,7 +145,7 @@ class TransformerBlock(eqx.Module):
         mlp_ratio: int = 4,
         dropout_p: float = 0.0,
         *,
-        attention_impl: Literal["dot_product", "reference"] = "dot_product",
+        attention_impl: Literal["dot_product", "reference", "ring", "all_gather"] = "dot_product",
         attention_dropout_p: float | None = None,
         sequence_parallel: bool = False,
         axis_name: str = "model",

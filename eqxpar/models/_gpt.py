@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Literal
+from typing import Literal, cast
 
 import equinox as eqx
 import jax
@@ -76,7 +76,7 @@ class GPT(TensorParallelLayer):
     vocab_size: int = eqx.field(static=True)
     context_length: int = eqx.field(static=True)
     pad_vocab_to_multiple_of: int = eqx.field(static=True)
-    remat: str = eqx.field(static=True)
+    remat: Remat = eqx.field(static=True)
     axis_name: str = eqx.field(static=True)
     attention_impl: str = eqx.field(static=True)
     sequence_parallel: bool = eqx.field(static=True)
@@ -253,8 +253,8 @@ class GPT(TensorParallelLayer):
             with jax.named_scope("embedding"):
                 x = embed_tokens(self, tokens, key=embed_key, inference=inference, rows=rows, length=length)
             wrap = remat_wrapper(self.remat)
-            if self.scan_layers:
-                keys = None if key is None else jnp.stack(block_keys)
+            if isinstance(self.blocks, StackedLayers):  # self.scan_layers
+                keys = None if key is None else jnp.stack(cast(list[Array], block_keys))
                 x = self.blocks(x, keys=keys, wrap=wrap, inference=inference, rows=rows, length=length)
             else:
                 apply = _apply_block if wrap is None else wrap(_apply_block)
@@ -394,7 +394,7 @@ def stack_blocks(model: GPT) -> GPT:
 
     The GPT with `blocks` an [`eqxpar.nn.StackedLayers`][].
     """
-    if model.scan_layers:
+    if isinstance(model.blocks, StackedLayers):  # model.scan_layers
         return model
     return eqx.tree_at(lambda m: m.blocks, model, StackedLayers(model.blocks, axis_name=model.axis_name))
 
@@ -411,6 +411,6 @@ def unstack_blocks(model: GPT) -> GPT:
 
     The GPT with `blocks` a tuple.
     """
-    if not model.scan_layers:
+    if not isinstance(model.blocks, StackedLayers):  # not model.scan_layers
         return model
     return eqx.tree_at(lambda m: m.blocks, model, model.blocks.unstack())

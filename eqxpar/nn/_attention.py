@@ -14,7 +14,7 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray
 from .._promotion import at_least_float32
 from ._base import TensorParallelLayer, gather_sequence, skeleton, to_varying
 from ._linear import ColumnParallelLinear, RowParallelLinear
-from ._ring_attention import LAYOUTS, all_gather_attention, ring_attention
+from ._ring_attention import LAYOUTS, Layout, all_gather_attention, ring_attention
 
 __all__ = ["ParallelMultiheadAttention"]
 
@@ -63,7 +63,7 @@ class ParallelMultiheadAttention(TensorParallelLayer):
     attention_impl: str = eqx.field(static=True)
     axis_name: str = eqx.field(static=True)
     context_axis: str = eqx.field(static=True)
-    context_layout: str = eqx.field(static=True)
+    context_layout: Layout = eqx.field(static=True)
 
     def __init__(
         self,

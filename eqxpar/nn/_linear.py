@@ -316,7 +316,7 @@ def _dense_linear(in_features: int, out_features: int, weight, bias) -> eqx.nn.L
     return linear
 
 
-def _check_global(layer: TensorParallelLayer, shape: tuple[int, ...]) -> None:
+def _check_global(layer: ColumnParallelLinear | RowParallelLinear, shape: tuple[int, ...]) -> None:
     if tuple(layer.weight.shape) != shape:
         raise ValueError(
             f"{type(layer).__name__}.to_dense: weight has shape {tuple(layer.weight.shape)}, not "
@@ -325,7 +325,7 @@ def _check_global(layer: TensorParallelLayer, shape: tuple[int, ...]) -> None:
         )
 
 
-def _check_local(layer: TensorParallelLayer, shape: tuple[int, ...], size: int) -> None:
+def _check_local(layer: ColumnParallelLinear | RowParallelLinear, shape: tuple[int, ...], size: int) -> None:
     if tuple(layer.weight.shape) != shape:
         raise ValueError(
             f"{type(layer).__name__}: inside shard_map its weight should be this device's "

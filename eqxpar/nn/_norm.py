@@ -59,8 +59,13 @@ def layer_norm(norm: eqx.nn.LayerNorm, x: Float[Array, "*batch dim"]) -> Float[A
         # (e.g. a sequence split over devices): mark them as differing too, so that their
         # gradients, computed from this device's rows, are summed over those devices.
         axes = varying_axes(x)
-        weight, bias = (None if p is None else functools.reduce(to_varying, sorted(axes - varying_axes(p)), p) for p in (weight, bias))
-        return _normalize(x.astype(dtype), weight, bias, norm.eps).astype(x.dtype)
+        weight, bias = (None if p is None else _varying_over(p, axes) for p in (weight, bias))
+        out: Array = _normalize(x.astype(dtype), weight, bias, norm.eps)  # (custom_vjp: an object to pyright)
+        return out.astype(x.dtype)
+
+
+def _varying_over(p: Array, axes: frozenset) -> Array:
+    return functools.reduce(to_varying, sorted(axes - varying_axes(p)), p)
 
 
 def _as(x, dtype):
