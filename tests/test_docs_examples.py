@@ -1,4 +1,5 @@
-"""The code on the docs' pages runs as written: the home page and every concept page.
+"""The code on the docs' pages runs as written: the home page, every concept page and the
+profiling page.
 
 A page's ```python blocks run in order. A block that calls `simulate_cpu_devices(n)` starts
 a new script (the page says "before JAX starts": a fresh namespace); the blocks after it,
@@ -75,6 +76,17 @@ def test_home_page_example_runs(capsys, tmp_path, monkeypatch):
     assert blocks, "the home page has no python example"
     run_page(DOCS / "index.md")
     assert "P('data',)" in capsys.readouterr().out  # the report shows the split logits
+
+
+def test_profiling_page_example_runs(capsys, tmp_path, monkeypatch):
+    """docs/profiling.md traces 3 steps and finds the collectives and their layers in the trace."""
+    monkeypatch.chdir(tmp_path)
+    run_page(DOCS / "profiling.md")
+    out = capsys.readouterr().out
+    assert list(tmp_path.glob("profile/plugins/profile/*/*.xplane.pb")), out
+    assert list(tmp_path.glob("profile/plugins/profile/*/perfetto_trace.json.gz")), out
+    # every collective of the step was seen in the trace, under its layer's scope
+    assert "all-reduce  24 x" in out and "GPT/block_0/mlp/ParallelMLP/RowParallelLinear" in out, out
 
 
 @pytest.mark.parametrize("page", CONCEPTS, ids=[p.stem for p in CONCEPTS])
