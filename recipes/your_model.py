@@ -15,6 +15,7 @@ Run it (8 simulated CPU devices when there is no accelerator):
     python recipes/your_model.py                         # data=2, model=4
     python recipes/your_model.py --mesh data=1,model=8   # every device splits the layers
     python recipes/your_model.py --steps 20 --metrics-out /tmp/your_model.json
+    python recipes/your_model.py --checkpoint-dir /tmp/yours --checkpoint-every 50 --resume
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from eqxpar.train import hybrid_step
 
 
 @dataclasses.dataclass
-class Config(eqxpar.recipe.LogFlags):  # + --log-dir (a folder per part), --log-every
+class Config(eqxpar.recipe.CheckpointFlags, eqxpar.recipe.LogFlags):  # + checkpoints and --log-dir, a folder per part
     devices: int = 8  # simulated CPU devices when there is no accelerator
     mesh: str = "auto"  # batch split over `data`, layers over `model`, e.g. data=2,model=4; auto: fit the devices
     steps: int = 200  # training steps (each part)
@@ -49,6 +50,10 @@ class Config(eqxpar.recipe.LogFlags):  # + --log-dir (a folder per part), --log-
     learning_rate: float = 3e-3  # AdamW step size
     seed: int = 0  # seeds the weights and the batches
     metrics_out: str | None = None  # write the results as JSON here
+
+
+# The flags that set the models' array shapes: --resume refuses checkpoints saved with others.
+SHAPE_FIELDS = ("context", "dim", "heads", "layers")
 
 
 # The vocabulary is padded to a multiple of 8 (eqxpar.datasets), so it splits over any
@@ -121,8 +126,28 @@ def split_head_loss_fn(model, tokens, key=None):
     return eqxpar.nn.vocab_parallel_cross_entropy(logits, tokens[:, 1:], axis_name="model").mean()
 
 
+# Each part trains its own model: with --checkpoint-dir DIR, each saves in a folder of its
+# own, DIR/auto_plan and DIR/split_head (as --log-dir), and --resume continues both.
+PARTS = ("auto plan", "split head")
+
+
+def part_config(cfg: Config, title: str) -> Config:
+    """The flags of one part: its checkpoints in DIR/<part>."""
+    if cfg.checkpoint_dir is None:
+        return cfg
+    return dataclasses.replace(cfg, checkpoint_dir=os.path.join(cfg.checkpoint_dir, title.replace(" ", "_")))
+
+
 def main(argv=None) -> dict:
     cfg = eqxpar.recipe.parse_flags(Config, argv, validate=check_flags)  # bad flags: one line, exit 2
+    # Checks both parts' checkpoint folders now, before anything compiles: checkpoints there
+    # need --resume, and --resume the saved model's shape; else one line, exit 2. (Only a
+    # check: each part opens its folder when it starts training, its watchdog with it.)
+    with eqxpar.recipe.flag_errors():
+        for title in PARTS:
+            eqxpar.checkpoint.Checkpointer.from_config(
+                dataclasses.replace(part_config(cfg, title), watchdog_s=0), shape_fields=SHAPE_FIELDS
+            ).close()
     mesh = eqxpar.make_mesh(**eqxpar.parse_mesh(cfg.mesh))
     say = print if eqxpar.recipe.is_main_process() else (lambda *a, **k: None)
 
@@ -135,20 +160,27 @@ def main(argv=None) -> dict:
 
     def train(parallel, loss, title):
         """The standard hybrid step: tensor-parallel over `model`, the batch over `data`;
-        with --log-dir, its records in a folder of their own (auto_plan/, split_head/)."""
+        with --log-dir and --checkpoint-dir, its records and checkpoints in folders of their
+        own (auto_plan/, split_head/). Returns the model, its losses, the step's
+        communication and the step it resumed from."""
         where = None if cfg.log_dir is None else os.path.join(cfg.log_dir, title.replace(" ", "_"))
         run_log = eqxpar.recipe.RunLog.from_config(cfg, log_dir=where, items_per_step=cfg.batch_size * cfg.context)
+        ckpt = eqxpar.checkpoint.Checkpointer.from_config(part_config(cfg, title), shape_fields=SHAPE_FIELDS)
         step = hybrid_step(loss, optimizer, mesh, param_specs=eqxpar.nn.partition_specs(parallel, mesh))
         parallel, opt_state = step.init(parallel)
         comm = eqxpar.communication_report(step, parallel, opt_state, eqxpar.train.shard_batch(batch(0), mesh))
         say(f"{title}: collectives of one train step (per device):\n{comm}\n")
-        losses = []
-        for i in eqxpar.recipe.progress(range(cfg.steps), desc=title):
+        # The state as it is split, and the loss history; batches depend on (seed, step) only.
+        (parallel, opt_state), first_step, history = ckpt.restore((parallel, opt_state))
+        losses = history["losses"] if history else []
+        for i in eqxpar.recipe.progress(eqxpar.recipe.steps_to_run(first_step, cfg.steps), desc=title):
             parallel, opt_state, metrics = step(parallel, opt_state, eqxpar.train.shard_batch(batch(i), mesh))
             losses.append(float(metrics["loss"]))
             run_log.step(i, metrics)
+            ckpt.maybe_save(i + 1, (parallel, opt_state), data_state={"losses": losses}, force=i + 1 == cfg.steps)
+        ckpt.close()
         run_log.close()
-        return parallel, losses, comm
+        return parallel, losses, comm, first_step
 
     # --- Part 1: the automatic plan. Attention, MLPs and embedding split; the rest whole. ---
     # `parallelize` shares the model's arrays; `step.init` places copies of them on the mesh,
@@ -160,7 +192,7 @@ def main(argv=None) -> dict:
     # parameters compare as tightly as the gradients do.
     parity = eqxpar.testing.check_parallel_parity(model, parallel, loss_fn, optax.sgd(0.1), mesh, batch(0))
     say(f"parity check: {parity}\n")
-    parallel, losses, comm = train(parallel, loss_fn, "auto plan")
+    parallel, losses, comm, first_step = train(parallel, loss_fn, PARTS[0])
 
     # The dense model, trained on one device on the same batches: the same losses.
     @eqx.filter_jit
@@ -189,7 +221,7 @@ def main(argv=None) -> dict:
     say(f"an explicit plan, with the head split:\n{split_plan}\n")
     split_parity = eqxpar.testing.check_parallel_parity(model, split, split_head_loss_fn, optax.sgd(0.1), mesh, batch(0))
     say(f"parity check: {split_parity}\n")
-    split, split_losses, split_comm = train(split, split_head_loss_fn, "split head")
+    split, split_losses, split_comm, split_first_step = train(split, split_head_loss_fn, PARTS[1])
     split_gap = float(np.max(np.abs(np.array(split_losses) - dense_losses) / np.array(dense_losses)))
     report = eqxpar.sharding_report(split)
     say(f"split head: loss {split_losses[0]:.4f} -> {split_losses[-1]:.4f} (largest relative gap to the dense "
@@ -215,6 +247,10 @@ def main(argv=None) -> dict:
         "split_head_all_reduce_bytes_per_step": split_comm.bytes("all-reduce"),
         "param_bytes_per_device": eqxpar.sharding_report(parallel).bytes_per_device,
         "split_head_param_bytes_per_device": report.bytes_per_device,
+        "resumed_from_step": first_step,
+        "split_head_resumed_from_step": split_first_step,
+        "param_digest": eqxpar.recipe.parameter_digest(parallel),  # of the whole (gathered) weights
+        "split_head_param_digest": eqxpar.recipe.parameter_digest(split),
     }
     eqxpar.recipe.write_metrics(cfg.metrics_out, metrics)
     return metrics
