@@ -12,7 +12,7 @@ and the compiler inserts the reductions a global norm needs.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 import jax
@@ -395,8 +395,9 @@ def fsdp_step(
     if param_specs is None:
         last = axis_names(batch_axis)[-1] if isinstance(batch_axis, (str, tuple, list)) and batch_axis else batch_axis
 
-        def specs_of(model):
-            return fsdp_specs(model, mesh, batch_axis=last, param_specs=partition_specs(model))
+        def specs_of(model, /):
+            # cast: `last` is not a str only for a batch_axis fsdp_specs rejects (with its message).
+            return fsdp_specs(model, mesh, batch_axis=cast(str, last), param_specs=partition_specs(model))
     else:
         specs_of = _fixed(param_specs)
     return _build(

@@ -181,7 +181,7 @@ def checked_loss(value: Any, has_state: bool, who: str) -> tuple[Array, Any]:
         value, state = value
     shape = getattr(value, "shape", None)
     dtype = getattr(value, "dtype", None)
-    if shape != () or not jnp.issubdtype(dtype, jnp.floating):
+    if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(
             f"{who}: loss_fn must return a scalar floating-point loss (the mean over its "
             f"shard of the batch), got {type(value).__name__} with shape {shape} and dtype "

@@ -87,7 +87,7 @@ def whole_leaf(leaf: Any, gathers: Gathers, precision: Precision) -> Any:
     if gathers:
         leaf = precision.for_reduction(leaf)
     for axes, dim in gathers:
-        leaf = jax.lax.all_gather(leaf, axes if len(axes) > 1 else axes[0], axis=dim, tiled=True)
+        leaf = jax.lax.all_gather(leaf, axes[0] if len(axes) == 1 else axes, axis=dim, tiled=True)
     return precision.for_compute(leaf)
 
 

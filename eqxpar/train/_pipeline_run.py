@@ -49,14 +49,14 @@ class PipelinePlan:
         return [(s + 1, s) for s in range(self.P - 1)]
 
 
-def _key_of(key: Any, micro: Array, plan: PipelinePlan) -> Any:
+def _key_of(key: Any, micro: Array | int, plan: PipelinePlan) -> Any:
     # As the other builders: fold in the batch shard, then the micro-batch index.
     if key is None:
         return None
     return jax.random.fold_in(jax.random.fold_in(key, jax.lax.axis_index(plan.batch_axes)), micro)
 
 
-def _pick(tree: PyTree, i: Array) -> PyTree:
+def _pick(tree: PyTree, i: Array | int) -> PyTree:
     return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False) if eqx.is_array(x) else x, tree)
 
 

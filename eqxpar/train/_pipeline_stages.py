@@ -80,7 +80,9 @@ class Stages:
                 f"Stages.layers(model) must be a PyTree whose arrays all have one leading layer "
                 f"axis of the same length; got leading sizes {sorted(map(str, sizes))}."
             )
-        return sizes.pop()
+        (size,) = sizes
+        assert size is not None  # checked above
+        return size
 
     def run_layers(self, layers: PyTree, x: PyTree, key: Any, first_index: Any) -> PyTree:
         """Run stacked `layers` in order with `jax.lax.scan`; layer `j` gets the key of

@@ -74,6 +74,10 @@ class TrainStep:
     Attributes: `mesh`, `batch_axis`, `grad_accum`, `has_state`, as given to the builder.
     """
 
+    # Only on the steps pipeline_step returns (declared, not set: hasattr stays False elsewhere).
+    schedule: Any
+    stage_axis: str
+
     def __init__(
         self,
         fn: Callable,
