@@ -28,3 +28,23 @@ def distributed_client():
 
     state = getattr(distributed, "global_state", None)
     return getattr(state, "client", None)
+
+
+def forget_traced_constants() -> None:
+    """Drop the arrays Equinox caches at module level while a function is traced.
+
+    `eqx.nn.RotaryPositionalEmbedding` keeps its sine and cosine tables in a module-level
+    dict (`equinox.nn._embedding.internal_rope_embedding_cache`, Equinox 0.13), computed
+    under `jax.ensure_compile_time_eval`. Computed inside `shard_map`, they carry that
+    `shard_map`'s mesh, and the next trace over another mesh (another step, the one-device
+    side of a parity check) fails with "context mesh ... should match the aval mesh".
+    `eqx.clear_caches()` would also clear every `eqx.filter_jit`'s compiled programs, so
+    only this dict is emptied; without it (another Equinox), nothing to do.
+    """
+    try:
+        from equinox.nn import _embedding
+    except ImportError:
+        return
+    cache = getattr(_embedding, "internal_rope_embedding_cache", None)
+    if isinstance(cache, dict):
+        cache.clear()

@@ -12,6 +12,7 @@ import jax.core
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
+from ._compat import forget_traced_constants
 from ._specs import broadcast_specs, is_spec, path_str, spec_axes, validate_spec
 
 __all__ = ["filter_shard_map"]
@@ -124,7 +125,12 @@ def filter_shard_map(
         static_out = []
 
         def per_device(dyn):
-            out = fn(*eqx.combine(dyn, static))
+            # Tables Equinox caches while tracing here would carry this mesh into other traces.
+            forget_traced_constants()
+            try:
+                out = fn(*eqx.combine(dyn, static))
+            finally:
+                forget_traced_constants()
             out_dyn, out_static = eqx.partition(out, eqx.is_array)
             _check_outputs(out_specs, out_dyn, mesh, check_vma)
             static_out.append(out_static)

@@ -28,7 +28,7 @@ from ._shard_map import filter_shard_map
 from ._sharding import gather
 from ._specs import path_str
 from .nn import partition_specs, to_dense
-from .train import hybrid_step, shard_batch
+from .train import data_parallel_step, fsdp_step, hybrid_step, shard_batch
 
 __all__ = [
     "mesh_sizes",
@@ -236,6 +236,16 @@ def _copy(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, tree)
 
 
+def _strategy(mesh: Mesh, strategy: str | None, batch_axis: Any) -> tuple[str, Any]:
+    """The parity check's step and batch axes, by the mesh's axes unless given."""
+    names = tuple(mesh.axis_names)
+    strategy = strategy or ("fsdp" if "fsdp" in names else "hybrid" if "model" in names else "data")
+    if strategy not in ("hybrid", "data", "fsdp"):
+        raise ValueError(f"check_parallel_parity: strategy must be 'hybrid', 'data' or 'fsdp', got {strategy!r}.")
+    axes = tuple(a for a in ("data", "fsdp") if a in names) if strategy == "fsdp" else ("data",)
+    return strategy, batch_axis if batch_axis is not None else (axes[0] if len(axes) == 1 else axes)
+
+
 def check_parallel_parity(
     dense_model: PyTree,
     parallel_model: PyTree,
@@ -246,16 +256,20 @@ def check_parallel_parity(
     *,
     key: jax.Array | None = None,
     param_specs: PyTree | None = None,
-    batch_axis: Any = "data",
+    batch_axis: Any = None,
+    strategy: str | None = None,
     steps: int = 1,
     rtol: float = F32_RTOL,
     atol: float = F32_ATOL,
 ) -> ParityReport:
     """Check that a parallelized model trains exactly as the dense model does on one device.
 
-    Run this first on your own model. The parallel side is
-    [`eqxpar.train.hybrid_step`][] on `mesh` (the batch split over `batch_axis`, the
-    tensor-parallel layers over their model axis); the dense side is plain
+    Run this first on your own model. The parallel side is a train step on `mesh` (the
+    batch split over `batch_axis`, the tensor-parallel layers over their model axis):
+    `strategy` `"hybrid"` ([`eqxpar.train.hybrid_step`][]), `"data"`
+    ([`eqxpar.train.data_parallel_step`][]) or `"fsdp"` ([`eqxpar.train.fsdp_step`][],
+    parameters split over the batch axis too); default `"fsdp"` on a mesh with an `fsdp`
+    axis, else `"hybrid"` on one with a `model` axis, else `"data"`. The dense side is plain
     `eqx.filter_value_and_grad` and `optimizer.update` on one device, on the whole batch.
     Compared: the loss, every gradient (tensor-parallel layers mapped back with
     [`eqxpar.nn.to_dense`][]), the gradient norm, and the parameters after `steps`
@@ -280,7 +294,10 @@ def check_parallel_parity(
     - `key`: the PRNG key passed to the step (default None).
     - `param_specs`: the parallel model's specs; default
       [`eqxpar.nn.partition_specs`][]`(parallel_model, mesh)`.
-    - `batch_axis`: the mesh axis (or axes) the batch is split over.
+    - `batch_axis`: the mesh axis (or axes) the batch is split over; default `"data"`, and
+      under `"fsdp"` the mesh's `data` and `fsdp` axes (those it has).
+    - `strategy`: `"hybrid"`, `"data"` or `"fsdp"`, as above (any order of checks and
+      steps in one process works).
     - `steps`: how many optimizer steps to compare (on the same batch).
     - `rtol`, `atol`: the tolerance per entry (float32 defaults, see `F32_RTOL`).
 
@@ -297,6 +314,7 @@ def check_parallel_parity(
     """
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"check_parallel_parity: steps must be a positive integer, got {steps!r}.")
+    strategy, batch_axis = _strategy(mesh, strategy, batch_axis)
     as_dense = to_dense(parallel_model)
     if jax.tree.structure(as_dense) != jax.tree.structure(dense_model):
         raise ValueError(
@@ -343,9 +361,8 @@ def check_parallel_parity(
             dense_grads = grads
     dense_after = model
 
-    # The parallel side: the hybrid step, with the optimizer wrapped to keep the gradient it
-    # was given in its state, so the gradients come out of the very same step.
-    specs = partition_specs(parallel_model, mesh) if param_specs is None else param_specs
+    # The parallel side: the step, with the optimizer wrapped to keep the gradient it was
+    # given in its state, so the gradients come out of the very same step.
     def keep_update(updates, state: Any, params=None):
         return _keep(updates, optimizer.update(updates, state[1], params))
 
@@ -354,7 +371,10 @@ def check_parallel_parity(
         keep_update,
     )
     placed = shard_batch(batch, mesh, batch_axis=batch_axis)
-    step = hybrid_step(loss_fn, keeping, mesh, param_specs=specs, batch_axis=batch_axis)
+    if param_specs is None and strategy != "fsdp":  # fsdp_step's own default adds the fsdp split
+        param_specs = partition_specs(parallel_model, mesh)
+    build = {"fsdp": fsdp_step, "hybrid": hybrid_step, "data": data_parallel_step}[strategy]
+    step = build(loss_fn, keeping, mesh, param_specs=param_specs, batch_axis=batch_axis)
     model, opt_state = step.init(_copy(parallel_model))
     losses = []
     for i in range(steps):
