@@ -105,7 +105,8 @@ def _convert(style: str, node: Any, axis_name: str) -> TensorParallelLayer:
     return from_dense(node, axis_name=axis_name)
 
 
-def _split_size(style: str, node: Any) -> tuple[str, int] | None:
+def _split_size(style: str, node: Any) -> tuple[str, int]:
+    """What a split style divides (styles checked already: "replicate" and "kept" never get here)."""
     if style in ("column", "column_gathered"):
         return "out_features", node.out_features
     return {
@@ -113,7 +114,7 @@ def _split_size(style: str, node: Any) -> tuple[str, int] | None:
         "vocab": ("num_embeddings", getattr(node, "num_embeddings", 0)),
         "mlp": ("width_size", getattr(node, "width_size", 0)),
         "attention": ("num_heads", getattr(node, "num_heads", 0)),
-    }.get(style)
+    }[style]
 
 
 def _explicit_styles(plan: Mapping, model: Any, nodes: list) -> tuple[dict, set]:
