@@ -25,7 +25,7 @@ PACKAGE = ROOT / "eqxpar"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "1. placement",
-        ("eqxpar._compat", "eqxpar._optional", "eqxpar._specs", "eqxpar._mesh", "eqxpar._sharding", "eqxpar._dtypes"),
+        ("eqxpar._compat", "eqxpar._optional", "eqxpar._specs", "eqxpar._mesh", "eqxpar._sharding", "eqxpar._promotion"),
     ),
     # inspect reads any compiled function (it imports only the spec vocabulary), and the
     # GPT in eqxpar.models states its own communication and FLOPs with it: it sits below.

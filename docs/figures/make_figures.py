@@ -24,15 +24,30 @@ simulated CPU devices:
   parallelism as well, from the GPT's token embedding run under `shard_map`;
 - `bench_strategies.png`: the table of docs/benchmarks.md (`benchmarks/strategies.py`'s
   output, pasted there) as bar charts, parsed from the page itself.
+
+Each picture is drawn from its **inputs**, the data it plots (computed by a `*_inputs`
+function, without drawing), and the script records them in docs/images/manifest.json: per
+PNG, a hash of its inputs and one of the code that draws it (the functions' syntax trees,
+so comments and formatting do not count). tests/test_docs_figures.py recomputes both, in
+seconds and without matplotlib drawing anything, and fails when a picture is older than
+what it shows: rerun `make docs` (or this script) and commit the pictures with the
+manifest. The PNG bytes themselves are not hashed: matplotlib's output may vary between
+versions and machines.
 """
 
 from __future__ import annotations
 
+import ast
+import hashlib
+import inspect
 import json
 import os
 import pathlib
 import re
 import sys
+import textwrap
+from collections.abc import Callable
+from typing import Any
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 
@@ -53,6 +68,7 @@ from matplotlib.patches import FancyBboxPatch, Rectangle  # noqa: E402
 
 DOCS = pathlib.Path(__file__).resolve().parents[1]
 IMAGES = DOCS / "images"
+MANIFEST = IMAGES / "manifest.json"
 LOSSES = DOCS / "data" / "losses"
 DPI = 80
 # One colour per data index (batch shard) and per model index (weight block).
@@ -80,26 +96,42 @@ def mesh_position(mesh, device) -> tuple[int, ...]:
 # --- (a) the data x model mesh ---------------------------------------------------------------
 
 
-def mesh_grid() -> None:
+def mesh_grid_inputs() -> dict[str, Any]:
+    """Per device of `make_mesh(data=2, model=4)`: its id, mesh position, and the rows of the
+    batch and of the weight it holds."""
     mesh = eqxpar.make_mesh(data=2, model=4)
     batch_shape, weight_shape = (16, 64), (256, 64)  # 16 examples; a (256, 64) column-parallel weight
     rows = NamedSharding(mesh, P("data")).devices_indices_map(batch_shape)
     blocks = NamedSharding(mesh, P("model", None)).devices_indices_map(weight_shape)
+    devices = [
+        [
+            device.id,
+            *mesh_position(mesh, device),
+            *span(rows[device][0], batch_shape[0]),
+            *span(blocks[device][0], weight_shape[0]),
+        ]
+        for device in mesh.devices.flat
+    ]
+    return {"mesh_grid.png": {"devices": devices}}
+
+
+def mesh_grid(inputs: dict[str, Any]) -> None:
     fig, ax = plt.subplots(figsize=(9.5, 4.2))
-    for device in mesh.devices.flat:
-        d, m = mesh_position(mesh, device)
+    for device_id, d, m, r0, r1, w0, w1 in inputs["mesh_grid.png"]["devices"]:
         x, y = m * 2.3, (1 - d) * 1.9
-        ax.add_patch(FancyBboxPatch((x, y), 2.0, 1.6, boxstyle="round,pad=0.02", fc=DATA_COLORS[d], ec=MODEL_COLORS[m], lw=3))
-        r0, r1 = span(rows[device][0], batch_shape[0])
-        w0, w1 = span(blocks[device][0], weight_shape[0])
-        ax.text(x + 1.0, y + 1.25, f"device {device.id}", ha="center", weight="bold")
+        ax.add_patch(
+            FancyBboxPatch((x, y), 2.0, 1.6, boxstyle="round,pad=0.02", fc=DATA_COLORS[d], ec=MODEL_COLORS[m], lw=3)
+        )
+        ax.text(x + 1.0, y + 1.25, f"device {device_id}", ha="center", weight="bold")
         ax.text(x + 1.0, y + 0.8, f"batch rows {r0}-{r1}", ha="center", fontsize=9)
         ax.text(x + 1.0, y + 0.35, f"weight rows {w0}-{w1}", ha="center", color=MODEL_COLORS[m], fontsize=9)
     for m in range(4):
         ax.text(m * 2.3 + 1.0, 3.75, f"model={m}", ha="center", color=MODEL_COLORS[m], weight="bold")
     for d in range(2):
         ax.text(-0.15, (1 - d) * 1.9 + 0.8, f"data={d}", ha="right", va="center", weight="bold")
-    ax.set_title('make_mesh(data=2, model=4): a batch split P("data"), a (256, 64) weight split P("model", None)', fontsize=10)
+    ax.set_title(
+        'make_mesh(data=2, model=4): a batch split P("data"), a (256, 64) weight split P("model", None)', fontsize=10
+    )
     ax.set_xlim(-1.3, 9.2)
     ax.set_ylim(-0.2, 4.0)
     ax.axis("off")
@@ -109,29 +141,50 @@ def mesh_grid() -> None:
 # --- (b) column- and row-parallel splits -----------------------------------------------------
 
 
-def column_row() -> None:
+def column_row_inputs() -> dict[str, Any]:
+    """Per layer: its weight's shape and spec, and each device's block of it."""
     mesh = eqxpar.make_mesh(model=4)
     key = jax.random.key(0)
     layers = {
         (
-            "ColumnParallelLinear(8, 16): output features split\n"
-            "(x whole on every device -> y split; no collective)"
+            "ColumnParallelLinear(8, 16): output features split\n(x whole on every device -> y split; no collective)"
         ): eqxpar.nn.ColumnParallelLinear(8, 16, key=key),
         (
-            "RowParallelLinear(16, 8): input features split\n"
-            "(x split -> each device's partial W x -> psum)"
+            "RowParallelLinear(16, 8): input features split\n(x split -> each device's partial W x -> psum)"
         ): eqxpar.nn.RowParallelLinear(16, 8, key=key),
     }
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
-    for ax, (title, layer) in zip(axes, layers.items()):
+    panels = []
+    for title, layer in layers.items():
         spec = eqxpar.nn.partition_specs(layer, mesh).weight
         shape = layer.weight.shape  # (out_features, in_features)
         owner = NamedSharding(mesh, spec).devices_indices_map(shape)
-        for device, (ri, ci) in owner.items():
-            m = mesh_position(mesh, device)[0]
-            (r0, r1), (c0, c1) = span(ri, shape[0]), span(ci, shape[1])
-            ax.add_patch(Rectangle((c0, shape[0] - r1 - 1), c1 - c0 + 1, r1 - r0 + 1, fc=MODEL_COLORS[m], ec="white", lw=2, alpha=0.85))
-            ax.text((c0 + c1 + 1) / 2, shape[0] - (r0 + r1 + 1) / 2, f"device {device.id}", ha="center", va="center", color="white", weight="bold")
+        blocks = [
+            [device.id, mesh_position(mesh, device)[0], *span(ri, shape[0]), *span(ci, shape[1])]
+            for device, (ri, ci) in owner.items()
+        ]
+        panels.append({"title": title, "shape": list(shape), "spec": str(spec), "blocks": blocks})
+    return {"column_row.png": {"panels": panels}}
+
+
+def column_row(inputs: dict[str, Any]) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
+    for ax, panel in zip(axes, inputs["column_row.png"]["panels"]):
+        title, shape, spec = panel["title"], panel["shape"], panel["spec"]
+        for device_id, m, r0, r1, c0, c1 in panel["blocks"]:
+            ax.add_patch(
+                Rectangle(
+                    (c0, shape[0] - r1 - 1), c1 - c0 + 1, r1 - r0 + 1, fc=MODEL_COLORS[m], ec="white", lw=2, alpha=0.85
+                )
+            )
+            ax.text(
+                (c0 + c1 + 1) / 2,
+                shape[0] - (r0 + r1 + 1) / 2,
+                f"device {device_id}",
+                ha="center",
+                va="center",
+                color="white",
+                weight="bold",
+            )
         ax.set_xlim(0, shape[1])
         ax.set_ylim(0, shape[0])
         ax.set_aspect("equal")
@@ -139,14 +192,15 @@ def column_row() -> None:
         ax.set_yticks([0, shape[0]], [str(shape[0]), "0"])
         ax.set_xlabel(f"in_features ({shape[1]})")
         ax.set_ylabel(f"out_features ({shape[0]})")
-        ax.set_title(f"{title}\nweight {shape}, spec {spec}", fontsize=10)
+        ax.set_title(f"{title}\nweight {tuple(shape)}, spec {spec}", fontsize=10)
     save(fig, "column_row.png")
 
 
 # --- (c) all_gather, psum_scatter, psum ------------------------------------------------------
 
 
-def collectives() -> None:
+def collectives_inputs() -> dict[str, Any]:
+    """What each of 4 devices holds before, and after each collective (run under shard_map)."""
     mesh = eqxpar.make_mesh(i=4)
     x = jnp.arange(16.0).reshape(4, 4)  # device d holds row d: [4d, 4d+1, 4d+2, 4d+3]
     ops = {
@@ -157,10 +211,15 @@ def collectives() -> None:
     results = {
         name: jax.jit(jax.shard_map(op, mesh=mesh, in_specs=P("i"), out_specs=P("i")))(x) for name, op in ops.items()
     }
-    before = [list(x[d]) for d in range(4)]
-    fig, axes = plt.subplots(len(ops), 1, figsize=(11, 7.6))
-    for ax, (name, out) in zip(axes, results.items()):
-        after = [list(row) for row in out.reshape(4, -1)]
+    before = [[float(v) for v in x[d]] for d in range(4)]
+    after = {name: [[float(v) for v in row] for row in out.reshape(4, -1)] for name, out in results.items()}
+    return {"collectives.png": {"before": before, "after": after}}
+
+
+def collectives(inputs: dict[str, Any]) -> None:
+    before, results = inputs["collectives.png"]["before"], inputs["collectives.png"]["after"]
+    fig, axes = plt.subplots(len(results), 1, figsize=(11, 7.6))
+    for ax, (name, after) in zip(axes, results.items()):
         for d in range(4):
             y = 3 - d
             ax.text(-0.4, y + 0.4, f"device {d}", ha="right", va="center", weight="bold", color=MODEL_COLORS[d])
@@ -186,24 +245,38 @@ def collectives() -> None:
 # --- (d) two hosts ---------------------------------------------------------------------------
 
 
-def two_hosts() -> None:
+def two_hosts_inputs() -> dict[str, Any]:
+    """The mesh a real two-process run recorded: (device id, process) per position."""
     recorded = json.loads((LOSSES / "multihost.json").read_text()).get("mesh_data2_model4")
     if not recorded:
         raise SystemExit("make_figures: docs/data/losses/multihost.json has no mesh_data2_model4: run `make figures`")
+    return {"two_hosts.png": {"mesh": recorded}}
+
+
+def two_hosts(inputs: dict[str, Any]) -> None:
+    recorded = inputs["two_hosts.png"]["mesh"]
     fig, ax = plt.subplots(figsize=(10, 4.6))
     for d, row in enumerate(recorded):  # a mesh row; its processes (one each, as make_mesh lays them out)
         procs = ", ".join(str(p) for p in sorted({p for _, p in row}))
-        ax.add_patch(FancyBboxPatch((-0.3, (1 - d) * 2.1 - 0.25), 9.6, 1.85, boxstyle="round,pad=0.05", fc="#f3f3f3", ec="#888888", lw=1.5))
+        ax.add_patch(
+            FancyBboxPatch(
+                (-0.3, (1 - d) * 2.1 - 0.25), 9.6, 1.85, boxstyle="round,pad=0.05", fc="#f3f3f3", ec="#888888", lw=1.5
+            )
+        )
         ax.text(-0.5, (1 - d) * 2.1 + 0.65, f"process {procs}\n(host {procs})", ha="right", va="center", weight="bold")
         for m, (device_id, _) in enumerate(row):
             x, y = m * 2.3, (1 - d) * 2.1
-            ax.add_patch(FancyBboxPatch((x, y), 2.0, 1.3, boxstyle="round,pad=0.02", fc=DATA_COLORS[d], ec=MODEL_COLORS[m], lw=3))
+            ax.add_patch(
+                FancyBboxPatch((x, y), 2.0, 1.3, boxstyle="round,pad=0.02", fc=DATA_COLORS[d], ec=MODEL_COLORS[m], lw=3)
+            )
             ax.text(x + 1.0, y + 0.85, f"device {device_id}", ha="center", weight="bold")
             ax.text(x + 1.0, y + 0.35, f"data={d}, model={m}", ha="center", fontsize=8)
     ax.annotate("", xy=(9.6, 0.65), xytext=(9.6, 2.75), arrowprops={"arrowstyle": "<->", "lw": 2, "color": "#c0392b"})
     ax.text(9.75, 1.7, "data axis:\ngradient all-reduce\nbetween hosts", va="center", color="#c0392b")
     ax.text(4.5, -0.65, "model axis: the layers' collectives stay inside one host", ha="center", color="#1f4e79")
-    ax.set_title("make_mesh(data=2, model=4) in a real run of eqxpar.launch --nproc 2 --devices-per-proc 4", fontsize=10)
+    ax.set_title(
+        "make_mesh(data=2, model=4) in a real run of eqxpar.launch --nproc 2 --devices-per-proc 4", fontsize=10
+    )
     ax.set_xlim(-2.1, 12.3)
     ax.set_ylim(-0.9, 4.0)
     ax.axis("off")
@@ -213,19 +286,34 @@ def two_hosts() -> None:
 # --- (e) loss curves -------------------------------------------------------------------------
 
 
-def loss_curves() -> None:
+def loss_curves_inputs() -> dict[str, Any]:
+    """Per recipe: its recorded losses, steps, command and source."""
     files = sorted(LOSSES.glob("*.json"))
     if not files:
         raise SystemExit("make_figures: no docs/data/losses/*.json: run `make figures` once")
+    out = {}
     for path in files:
         run = json.loads(path.read_text())
+        out[f"loss_{run['recipe']}.png"] = {k: run[k] for k in ("steps", "loss", "command", "source")}
+    return out
+
+
+def loss_curves(inputs: dict[str, Any]) -> None:
+    for name, run in inputs.items():
         fig, ax = plt.subplots(figsize=(6.4, 3.2))
-        ax.plot(run["steps"], run["loss"], color=MODEL_COLORS[0], lw=1.5, marker="o" if len(run["loss"]) < 40 else None, ms=3)
+        ax.plot(
+            run["steps"],
+            run["loss"],
+            color=MODEL_COLORS[0],
+            lw=1.5,
+            marker="o" if len(run["loss"]) < 40 else None,
+            ms=3,
+        )
         ax.set_xlabel("step")
         ax.set_ylabel("training loss")
         ax.grid(alpha=0.3)
         ax.set_title(f"{run['command']}\n(loss from {run['source']})", fontsize=9)
-        save(fig, f"loss_{run['recipe']}.png")
+        save(fig, name)
 
 
 def precision_gaps(fp32: list[float], bf16: list[float]) -> dict[str, float]:
@@ -235,23 +323,40 @@ def precision_gaps(fp32: list[float], bf16: list[float]) -> dict[str, float]:
 
     a, b = np.asarray(fp32, np.float64), np.asarray(bf16, np.float64)
     if a.shape != b.shape or a.size < 10:
-        raise SystemExit(f"make_figures: the float32 and bfloat16 runs need the same steps (10 or more), got {a.size} and {b.size}")
+        raise SystemExit(
+            f"make_figures: the float32 and bfloat16 runs need the same steps (10 or more), got {a.size} and {b.size}"
+        )
     gap = np.abs(b - a) / a
-    return {"max": float(gap.max()), "final": float(gap[-1]), "last10": float(abs(b[-10:].mean() - a[-10:].mean()) / a[-10:].mean())}
+    return {
+        "max": float(gap.max()),
+        "final": float(gap[-1]),
+        "last10": float(abs(b[-10:].mean() - a[-10:].mean()) / a[-10:].mean()),
+    }
 
 
-def precision_curves() -> None:
+def precision_curves_inputs() -> dict[str, Any]:
+    """The float32 and bfloat16 runs' losses, steps and commands."""
     runs = {}
     for path in sorted((LOSSES / "precision").glob("*.json")):
         run = json.loads(path.read_text())
         runs[run["final_metrics"].get("dtype")] = run
     if set(runs) != {"float32", "bfloat16"}:
-        raise SystemExit("make_figures: docs/data/losses/precision/ needs a float32 and a bfloat16 run: run `make figures`")
-    fp32, bf16 = runs["float32"], runs["bfloat16"]
+        raise SystemExit(
+            "make_figures: docs/data/losses/precision/ needs a float32 and a bfloat16 run: run `make figures`"
+        )
+    keep = {
+        dtype: {"steps": run["steps"], "loss": run["loss"], "command": run["command"], "dtype": dtype}
+        for dtype, run in runs.items()
+    }
+    return {"loss_precision.png": keep}
+
+
+def precision_curves(inputs: dict[str, Any]) -> None:
+    fp32, bf16 = inputs["loss_precision.png"]["float32"], inputs["loss_precision.png"]["bfloat16"]
     gaps = precision_gaps(fp32["loss"], bf16["loss"])
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(6.4, 4.8), sharex=True, height_ratios=(2, 1))
     for run, color in ((fp32, MODEL_COLORS[0]), (bf16, MODEL_COLORS[1])):
-        dtype = run["final_metrics"]["dtype"]
+        dtype = run["dtype"]
         top.plot(run["steps"], run["loss"], color=color, lw=1.2, label=f"--dtype {dtype} (final {run['loss'][-1]:.3f})")
     top.set_ylabel("training loss")
     top.legend()
@@ -264,7 +369,8 @@ def precision_curves() -> None:
     command = fp32["command"].replace("--dtype float32", "--dtype {float32, bfloat16}")
     top.set_title(
         f"{command}\nrelative gap: max {gaps['max']:.2%} per step, "
-        f"{gaps['final']:.2%} at the last step, {gaps['last10']:.2%} on the last 10 steps' mean", fontsize=9,
+        f"{gaps['final']:.2%} at the last step, {gaps['last10']:.2%} on the last 10 steps' mean",
+        fontsize=9,
     )
     save(fig, "loss_precision.png")
 
@@ -276,7 +382,12 @@ def benchmark_table(text: str) -> list[dict[str, str]]:
     """The rows of the `strategy  step ms ...` table on docs/benchmarks.md, as dicts."""
     lines = text.splitlines()
     for i, line in enumerate(lines):
-        if line.startswith("strategy ") and "step ms" in line and i + 1 < len(lines) and set(lines[i + 1]) <= {"-", " "}:
+        if (
+            line.startswith("strategy ")
+            and "step ms" in line
+            and i + 1 < len(lines)
+            and set(lines[i + 1]) <= {"-", " "}
+        ):
             cols = [(m.start(), m.end()) for m in re.finditer(r"-+", lines[i + 1])]
             names = [line[a:b].strip() for a, b in cols]
             rows = []
@@ -288,8 +399,13 @@ def benchmark_table(text: str) -> list[dict[str, str]]:
     raise SystemExit("make_figures: docs/benchmarks.md has no `strategy  step ms ...` table to draw")
 
 
-def benchmarks() -> None:
-    rows = benchmark_table((DOCS / "benchmarks.md").read_text())
+def benchmarks_inputs() -> dict[str, Any]:
+    """The rows of docs/benchmarks.md's table."""
+    return {"bench_strategies.png": {"rows": benchmark_table((DOCS / "benchmarks.md").read_text())}}
+
+
+def benchmarks(inputs: dict[str, Any]) -> None:
+    rows = inputs["bench_strategies.png"]["rows"]
     number = lambda s: float(s.replace(",", ""))  # noqa: E731
     panels = [
         ("step ms", "step time (ms, 8 CPU devices)", 1),
@@ -311,19 +427,60 @@ def benchmarks() -> None:
     save(fig, "bench_strategies.png")
 
 
-def architecture() -> None:
-    """`architecture.png`: eqxpar's layers and the imports between them, read from the source
-    by docs/figures/architecture.py (tests/test_architecture.py checks the same layering)."""
+def _architecture_module():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("eqxpar_docs_architecture", DOCS / "figures" / "architecture.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module.draw(IMAGES / "architecture.png")
+    return module
+
+
+def architecture_inputs() -> dict[str, Any]:
+    """What the picture shows of the import graph: the layers and their parts' labels, the
+    arrows between parts and the imports that break the layering."""
+    module = _architecture_module()
+    graph = module.import_graph()
+    parts = [part for _, layer in module.LAYERS for part in layer]
+    return {
+        "architecture.png": {
+            "layers": [[title, list(layer)] for title, layer in module.LAYERS],
+            "labels": {part: module._label(part) for part in parts},
+            "edges": sorted(module.part_edges(graph)),
+            "violations": sorted(module.violations(graph)),
+        }
+    }
+
+
+def architecture(inputs: dict[str, Any]) -> None:
+    """`architecture.png`: eqxpar's layers and the imports between them, read from the source
+    by docs/figures/architecture.py (tests/test_architecture.py checks the same layering)."""
+    _architecture_module().draw(IMAGES / "architecture.png")
     print("make_figures: docs/images/architecture.png")
 
 
-def pipeline_schedules() -> None:
+def pipeline_schedules_inputs() -> dict[str, Any]:
+    """The three schedules' tables: per tick and stage, the micro-batch and chunk each pass works on."""
+    from eqxpar.train import make_schedule
+
+    tables = [make_schedule("gpipe", 4, 8), make_schedule("circular", 4, 8, 2), make_schedule("1f1b", 4, 8)]
+    return {
+        "pipeline_schedules.png": [
+            {
+                "name": t.name,
+                "ticks": t.ticks,
+                "stages": t.stages,
+                "virtual_stages": t.virtual_stages,
+                "bubble": t.bubble_fraction(),
+                "in_flight": t.max_in_flight(),
+                **{k: getattr(t, k).tolist() for k in ("forward", "forward_chunk", "backward", "backward_chunk")},
+            }
+            for t in tables
+        ]
+    }
+
+
+def pipeline_schedules(inputs: dict[str, Any]) -> None:
     """`pipeline_schedules.png`: which micro-batch each stage works on at each tick, for
     GPipe, circular and 1F1B (P=4, M=8), from `eqxpar.train.make_schedule`: the tables the
     pipeline step runs."""
@@ -339,21 +496,33 @@ def pipeline_schedules() -> None:
                 for k, (mb, chunk, kind) in enumerate(cells):
                     height = 1.0 / len(cells)
                     color = MODEL_COLORS[int(mb) % len(MODEL_COLORS)]
-                    ax.add_patch(Rectangle((t, s + k * height), 1, height, facecolor=color, edgecolor="white",
-                                           alpha=0.45 if kind == "F" else 1.0, hatch=None if chunk <= 0 else "//"))
+                    ax.add_patch(
+                        Rectangle(
+                            (t, s + k * height),
+                            1,
+                            height,
+                            facecolor=color,
+                            edgecolor="white",
+                            alpha=0.45 if kind == "F" else 1.0,
+                            hatch=None if chunk <= 0 else "//",
+                        )
+                    )
                     ax.text(t + 0.5, s + (k + 0.5) * height, f"{kind}{mb}", ha="center", va="center", fontsize=6)
         ax.set_xlim(0, table.ticks)
         ax.set_ylim(table.stages, 0)
         ax.set_yticks([s + 0.5 for s in range(table.stages)], [f"stage {s}" for s in range(table.stages)])
         ax.set_xticks([])
         r = f", r={table.virtual_stages} (hatched: 2nd chunk)" if table.virtual_stages > 1 else ""
-        ax.set_title(f"{table.name}{r}: {table.ticks} ticks, bubble {table.bubble_fraction():.3f}, "
-                     f"up to {table.max_in_flight()} stage inputs kept", fontsize=10)
+        ax.set_title(
+            f"{table.name}{r}: {table.ticks} ticks, bubble {table.bubble_fraction():.3f}, "
+            f"up to {table.max_in_flight()} stage inputs kept",
+            fontsize=10,
+        )
     fig.supxlabel("tick (light: forward, dark: backward; colour: micro-batch)")
     save(fig, "pipeline_schedules.png")
 
 
-def sequence_parallel_positions() -> None:
+def sequence_parallel_positions_inputs() -> dict[str, Any]:
     """`sequence_parallel.png`: which positions of the residual stream each device holds
     between the tensor-parallel layers, without and with Megatron sequence parallelism
     (and with context parallelism too), read from what the GPT's token embedding returns
@@ -367,8 +536,8 @@ def sequence_parallel_positions() -> None:
         ({"model": 4}, True, "+ sequence parallelism: each holds S/4 positions (embedding: psum_scatter)"),
         ({"context": 2, "model": 2}, True, "context=2 (zigzag) x model=2 with sequence parallelism: S/(C N) each"),
     ]
-    fig, axes = plt.subplots(len(cases), 1, figsize=(10.5, 7.4), gridspec_kw={"height_ratios": [4, 4, 4]})
-    for ax, (shape, sequence_parallel, title) in zip(axes, cases):
+    panels = []
+    for shape, sequence_parallel, title in cases:
         mesh = eqxpar.make_mesh(**shape)
         contexts = shape.get("context", 1)
         order = eqxpar.nn.layout_order(length, contexts, "zigzag") if contexts > 1 else jnp.arange(length)
@@ -381,36 +550,118 @@ def sequence_parallel_positions() -> None:
             return jax.lax.all_gather(x, tuple(mesh.axis_names))
 
         spec = P(None, "context" if contexts > 1 else None)
-        shard = eqxpar.filter_shard_map(held, mesh=mesh, in_specs=(eqxpar.nn.partition_specs(embedding, mesh), spec),
-                                        out_specs=P(), check_vma=False)
+        shard = eqxpar.filter_shard_map(
+            held, mesh=mesh, in_specs=(eqxpar.nn.partition_specs(embedding, mesh), spec), out_specs=P(), check_vma=False
+        )
         positions = shard(embedding, tokens).reshape(mesh.devices.size, -1)
+        rows = []
         for row, device in enumerate(mesh.devices.flat):
             where = dict(zip(mesh.axis_names, mesh_position(mesh, device)))
-            y = mesh.devices.size - 1 - row
             label = ", ".join(f"{k}={v}" for k, v in where.items())
-            ax.text(-0.3, y + 0.4, f"device {device.id} ({label})", ha="right", va="center", fontsize=9)
-            mine = {int(p) for p in positions[row]}
+            rows.append([f"device {device.id} ({label})", sorted({int(p) for p in positions[row]})])
+        panels.append({"title": title, "rows": rows})
+    return {"sequence_parallel.png": {"length": length, "panels": panels}}
+
+
+def sequence_parallel_positions(inputs: dict[str, Any]) -> None:
+    """`sequence_parallel.png`: the positions of `sequence_parallel_positions_inputs`."""
+    length, panels = inputs["sequence_parallel.png"]["length"], inputs["sequence_parallel.png"]["panels"]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10.5, 7.4), gridspec_kw={"height_ratios": [4, 4, 4]})
+    for ax, panel in zip(axes, panels):
+        title, size = panel["title"], len(panel["rows"])
+        for row, (label, held) in enumerate(panel["rows"]):
+            y = size - 1 - row
+            ax.text(-0.3, y + 0.4, label, ha="right", va="center", fontsize=9)
+            mine = set(held)
             for p in range(length):
                 color = MODEL_COLORS[row] if p in mine else "#eeeeee"
                 ax.add_patch(Rectangle((p, y), 0.92, 0.8, fc=color, ec="#bbbbbb", lw=0.5))
-                ax.text(p + 0.46, y + 0.4, str(p), ha="center", va="center", fontsize=8,
-                        color="white" if p in mine else "#999999")
+                ax.text(
+                    p + 0.46,
+                    y + 0.4,
+                    str(p),
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    color="white" if p in mine else "#999999",
+                )
         ax.set_title(title, fontsize=10, loc="left")
         ax.set_xlim(-5.2, length + 0.2)
-        ax.set_ylim(-0.2, mesh.devices.size)
+        ax.set_ylim(-0.2, size)
         ax.axis("off")
-    fig.suptitle(f"Positions 0-{length - 1} of the residual stream held by each device, between the TP layers "
-                 "(computed by the GPT's embedding)", fontsize=10, y=1.0)
+    fig.suptitle(
+        f"Positions 0-{length - 1} of the residual stream held by each device, between the TP layers "
+        "(computed by the GPT's embedding)",
+        fontsize=10,
+        y=1.0,
+    )
     save(fig, "sequence_parallel.png")
+
+
+# --- the manifest: what each picture was drawn from -----------------------------------------
+
+FIGURES: tuple[Callable[[dict[str, Any]], None], ...] = (
+    mesh_grid,
+    column_row,
+    collectives,
+    two_hosts,
+    loss_curves,
+    precision_curves,
+    benchmarks,
+    architecture,
+    pipeline_schedules,
+    sequence_parallel_positions,
+)
+
+
+def inputs_of(draw: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """A figure's inputs, `{png name: JSON-able data}`, from its `<name>_inputs` function."""
+    return globals()[f"{draw.__name__}_inputs"]()
+
+
+def _digest(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _code(function: Callable) -> str:
+    """The syntax tree of a function without its docstring: what it does, not how it is laid out."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    node = tree.body[0]
+    if node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant):
+        node.body = node.body[1:]
+    return ast.dump(tree)
+
+
+def code_digest(draw: Callable[[dict[str, Any]], None]) -> str:
+    """A hash of the code that draws a figure: its drawing and inputs functions, the shared
+    style (colours, sizes) and, for the architecture, docs/figures/architecture.py's drawing."""
+    parts = [_code(draw), _code(globals()[f"{draw.__name__}_inputs"])]
+    parts.append(json.dumps([DATA_COLORS, MODEL_COLORS, DPI]))
+    if draw is architecture:
+        module = _architecture_module()
+        parts += [_code(module.draw), _code(module._positions)]
+    return _digest(parts)
+
+
+def manifest_entries(draw: Callable[[dict[str, Any]], None], inputs: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """The manifest's entries for one figure: per PNG, the hashes of its inputs and code."""
+    code = code_digest(draw)
+    return {name: {"drawn_by": draw.__name__, "inputs": _digest(data), "code": code} for name, data in inputs.items()}
 
 
 def main() -> None:
     IMAGES.mkdir(exist_ok=True)
     only = set(sys.argv[1:])
-    for draw in (mesh_grid, column_row, collectives, two_hosts, loss_curves, precision_curves, benchmarks, architecture, pipeline_schedules,
-                 sequence_parallel_positions):
+    manifest = json.loads(MANIFEST.read_text()) if MANIFEST.exists() else {}
+    for draw in FIGURES:
         if not only or draw.__name__ in only:
-            draw()
+            inputs = inputs_of(draw)
+            draw(inputs)
+            manifest = {k: v for k, v in manifest.items() if v.get("drawn_by") != draw.__name__}
+            manifest.update(manifest_entries(draw, inputs))
+    MANIFEST.write_text(json.dumps(dict(sorted(manifest.items())), indent=2) + "\n")
+    print("make_figures: docs/images/manifest.json")
 
 
 if __name__ == "__main__":
