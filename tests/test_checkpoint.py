@@ -459,18 +459,24 @@ def test_mismatched_targets_name_the_first_differing_leaf(tmp_path):
     cases = [
         (
             wider,
-            r"leaf \['adam'\]\[0\]\.mu\.mlp\.layers\[0\]\.weight differs: "
-            r"saved shape \(8, 4\) float32, target shape \(16, 4\) float32",
+            (
+                r"leaf \['adam'\]\[0\]\.mu\.mlp\.layers\[0\]\.weight differs: "
+                r"saved shape \(8, 4\) float32, target shape \(16, 4\) float32"
+            ),
         ),
         (
             no_adam,
-            r"differ in structure at leaf 0: the checkpoint has \['adam'\]\[0\]\.count \(shape \(\) int32\) "
-            r"where the target has \['key'\]",
+            (
+                r"differ in structure at leaf 0: the checkpoint has \['adam'\]\[0\]\.count \(shape \(\) int32\) "
+                r"where the target has \['key'\]"
+            ),
         ),
         (
             half,
-            r"\['adam'\]\[0\]\.mu\.mlp\.layers\[0\]\.weight differs: "
-            r"saved shape \(8, 4\) float32, target shape \(8, 4\) bfloat16",
+            (
+                r"\['adam'\]\[0\]\.mu\.mlp\.layers\[0\]\.weight differs: "
+                r"saved shape \(8, 4\) float32, target shape \(8, 4\) bfloat16"
+            ),
         ),
         (abstract, r"ShapeDtypeStruct without a sharding"),
     ]

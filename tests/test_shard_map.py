@@ -157,12 +157,15 @@ def test_out_specs_axes_are_checked_when_the_function_is_built(out_specs, messag
         (
             P("data", None, None),
             lambda x: x,
-            r"out_specs for output <root>: PartitionSpec P\('data', None, None\) has 3 entries but the output has rank 2",
+            (
+                r"out_specs for output <root>: PartitionSpec P\('data', None, None\) has 3 entries "
+                r"but the output has rank 2"
+            ),
         ),
         # Varying: P() promises one value for all devices, but the output differs per device.
         ({"sum": P(), "rows": P()}, lambda x: {"sum": jax.lax.psum(x, "data"), "rows": x},
-         r"out_specs for output \['rows'\]: PartitionSpec P\(\) says the output is the same on every device "
-         r"along mesh axes \('data',\).*jax.lax.psum or pmean over 'data'.*P\('data'\)"),
+         (r"out_specs for output \['rows'\]: PartitionSpec P\(\) says the output is the same on every device "
+          r"along mesh axes \('data',\).*jax.lax.psum or pmean over 'data'.*P\('data'\)")),
         # Not a spec where the output is an array.
         ({"a": P("data"), "b": jax.nn.relu}, lambda x: {"a": x, "b": x}, r"out_specs for output \['b'\] is .* not a PartitionSpec"),
     ],
