@@ -415,15 +415,24 @@ def benchmarks(inputs: dict[str, Any]) -> None:
     ]
     panels = [p for p in panels if p[0] in rows[0]]
     labels = [r["strategy"] for r in rows]
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.3 * len(panels), 4.2), sharey=True)
+    # Two panels a row: the picture is shown at the text column's width (about 700 px), where
+    # four side by side shrank their labels below legibility.
+    columns = min(2, len(panels))
+    fig, grid = plt.subplots(
+        -(-len(panels) // columns), columns, figsize=(9.0, 3.1 * -(-len(panels) // columns)), sharey=True, squeeze=False
+    )
+    axes = list(grid.flat)
+    for ax in axes[len(panels) :]:
+        ax.axis("off")
     for ax, (column, title, scale) in zip(axes, panels):
         values = [number(r[column]) / scale for r in rows]
         ax.barh(range(len(rows)), values, color=[MODEL_COLORS[i % len(MODEL_COLORS)] for i in range(len(rows))])
-        ax.set_title(title, fontsize=9)
+        ax.set_title(title, fontsize=10)
         ax.grid(axis="x", alpha=0.3)
     axes[0].invert_yaxis()  # shared: once, the table's first row on top
     axes[0].set_yticks(range(len(rows)), labels)
-    fig.suptitle("benchmarks/strategies.py (the table above)", fontsize=10)
+    fig.suptitle("benchmarks/strategies.py (the table above)", fontsize=11)
+    fig.tight_layout()
     save(fig, "bench_strategies.png")
 
 
