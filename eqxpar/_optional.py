@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import sys
 from types import ModuleType
+from typing import Literal, overload
 
 __all__ = ["MissingDependency", "missing", "require", "available"]
 
@@ -42,6 +43,10 @@ def available(module: str) -> bool:
         return False
 
 
+@overload
+def require(module: str, *, package: str, extra: str, purpose: str, load: Literal[True] = True) -> ModuleType: ...
+@overload
+def require(module: str, *, package: str, extra: str, purpose: str, load: Literal[False]) -> None: ...
 def require(module: str, *, package: str, extra: str, purpose: str, load: bool = True) -> ModuleType | None:
     """Import `module`, or raise `MissingDependency` naming the install line.
 

@@ -94,7 +94,7 @@ def parse_flags(
     wide = {} if {"-h", "--help"} & set(args) else {"COLUMNS": "100000"}
     try:
         with mock.patch.dict(os.environ, wide), contextlib.redirect_stderr(captured):
-            cfg = tyro.cli(config_cls, args=args, prog=prog, description=description, default=default)
+            cfg: C = tyro.cli(config_cls, args=args, prog=prog, description=description, default=default)
     except SystemExit as stop:
         if stop.code in (0, None):
             raise  # --help

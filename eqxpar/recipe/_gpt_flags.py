@@ -16,7 +16,7 @@ from ..train import Precision
 
 __all__ = ["GPTFlags", "check_gpt_flags", "speed_metrics", "speed_text"]
 
-C = TypeVar("C")
+C = TypeVar("C", bound="GPTFlags")
 
 # The flags' choices as Literal types: --help lists them and tyro refuses others (one line).
 # They are eqxpar.models' GPT_CONFIGS and REMAT_CHOICES (tests/test_recipe_flags.py checks it).
