@@ -27,7 +27,6 @@ import dataclasses
 import functools
 import math
 
-import equinox as eqx
 import jax
 import numpy as np
 import optax
@@ -134,12 +133,7 @@ def main(argv=None) -> dict:
     losses = history["losses"] if history else []
 
     # The held-out loss: every --eval-every steps, and at the end.
-    evaluate = eqx.filter_jit(
-        eqxpar.filter_shard_map(
-            lambda model, tokens: next_token_loss(eqx.nn.inference_mode(model), tokens),
-            mesh=mesh, in_specs=(specs, P()), out_specs=P(),
-        )
-    )
+    evaluate = eqxpar.recipe.held_out_loss(lambda model, tokens: next_token_loss(model, tokens), mesh, specs)
     val_tokens = text_windows(val_ids, 64, cfg.context, seed=1234, step=0)
 
     # --- Training loop. --log-dir: metrics every --log-every steps, TensorBoard, config.json. ---

@@ -133,12 +133,7 @@ def main(argv=None) -> dict:
         updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_array))
         return eqx.apply_updates(model, updates), opt_state, loss
 
-    evaluate = eqx.filter_jit(
-        eqxpar.filter_shard_map(
-            lambda model, tokens: next_token_loss(eqx.nn.inference_mode(model), tokens),
-            mesh=mesh, in_specs=(specs, P()), out_specs=P(),
-        )
-    )
+    evaluate = eqxpar.recipe.held_out_loss(lambda model, tokens: next_token_loss(model, tokens), mesh, specs)
 
     # Checkpoints (--checkpoint-dir, --checkpoint-every, --resume): the model (split as it
     # is), the optimizer state and the key; the loss history rides along as JSON.
