@@ -1,15 +1,17 @@
 """Checkpoints in the recipes that gained them (issue 23): long_context, pipeline_gpt, your_model.
 
-For each, a run to N steps and a run to N/2 resumed (`--resume`) to N end bit for bit alike:
-every metric (final and first loss, held-out loss and the `--eval-every` losses, parameter
-digests), and the loss history saved with the last checkpoint. And pipeline_gpt, stopped by
-SIGTERM mid-run as a real process, saves its current step, exits 143, and resumed ends as
-the uninterrupted run. Shapes are the smallest the recipes allow: the compiles dominate.
+For each, a run to N steps (saving at N/2 and N) and a run resumed (`--resume`) from its
+checkpoint at N/2 (in a copy of its folder without N) end bit for bit alike: every metric
+(final and first loss, held-out loss and the `--eval-every` losses after the resume,
+parameter digests), and the loss history saved with the last checkpoint. And pipeline_gpt,
+stopped by SIGTERM mid-run as a real process, saves its current step, exits 143, and
+resumed ends as the uninterrupted run. Shapes are the smallest the recipes allow: the compiles dominate.
 """
 
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -84,14 +86,14 @@ def assert_same_run(recipe, resumed, straight, directories, steps):
 
 @pytest.fixture(scope="module")
 def straight_runs(tmp_path_factory):
-    """Each recipe run to N uninterrupted (saving only at N); computed on first use."""
+    """Each recipe run to N uninterrupted, saving at N/2 and N; computed on first use."""
     runs = {}
 
     def get(recipe):
         if recipe not in runs:
             tmp = tmp_path_factory.mktemp(f"{recipe}_straight")
             steps = RECIPES[recipe][1]
-            runs[recipe] = (run(recipe, tmp, steps, tmp / "ckpt", "--checkpoint-every", str(steps)), tmp / "ckpt")
+            runs[recipe] = (run(recipe, tmp, steps, tmp / "ckpt", "--checkpoint-every", str(steps // 2)), tmp / "ckpt")
         return runs[recipe]
 
     return get
@@ -100,10 +102,14 @@ def straight_runs(tmp_path_factory):
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_half_run_resumed_equals_the_whole_run_bitwise(recipe, tmp_path, capsys, straight_runs):
     straight, straight_dir = straight_runs(recipe)
+    assert straight["resumed_from_step"] == 0
     steps = RECIPES[recipe][1]
+    # The straight run's folder as a run stopped at N/2 leaves it (a copy: one run fewer).
     directory = tmp_path / "ckpt"
-    half = run(recipe, tmp_path, steps // 2, directory, "--checkpoint-every", "1000")
-    assert half["resumed_from_step"] == 0
+    shutil.copytree(straight_dir, directory)
+    for part in PARTS.get(recipe, ("",)):
+        assert sorted(os.listdir(directory / part)) == sorted([str(steps // 2), str(steps)])
+        shutil.rmtree(directory / part / str(steps))
     capsys.readouterr()
     resumed = run(recipe, tmp_path, steps, directory, "--checkpoint-every", "1000", "--resume")
     assert f"resumed from step {steps // 2} " in capsys.readouterr().out
