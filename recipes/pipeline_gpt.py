@@ -45,7 +45,9 @@ from eqxpar.train import (
 @dataclasses.dataclass
 class Config(eqxpar.recipe.CheckpointFlags, eqxpar.recipe.LogFlags):  # + checkpoint flags, --log-dir, --log-every
     devices: int = 8  # simulated CPU devices when there is no accelerator
-    mesh: str = "auto"  # the stage axis splits the blocks, data the batch, e.g. stage=4,data=2 (optionally model=: tensor parallel in each stage); auto: fit the devices
+    # The stage axis splits the blocks, data the batch, e.g. stage=4,data=2 (optionally
+    # model=: tensor parallel in each stage); auto: fit the devices.
+    mesh: str = "auto"
     schedule: Literal["gpipe", "circular", "1f1b"] = "gpipe"  # the pipeline schedule (eqxpar.train.SCHEDULES)
     microbatches: int = 16  # micro-batches per data shard (M; 4P by default)
     virtual_stages: int = 2  # layer chunks per device under --schedule circular (r)
@@ -82,7 +84,10 @@ def check_flags(cfg: Config) -> Config:
     if cfg.batch_size % (data * cfg.microbatches):
         raise ValueError(f"--batch-size {cfg.batch_size} is not divisible by data={data} x --microbatches {cfg.microbatches}.")
     if cfg.schedule == "circular" and r > 1 and cfg.microbatches % stages:
-        raise ValueError(f"--schedule circular sends micro-batches round in groups of {stages}: --microbatches must be a multiple of {stages}.")
+        raise ValueError(
+            f"--schedule circular sends micro-batches round in groups of {stages}: "
+            f"--microbatches must be a multiple of {stages}."
+        )
     return dataclasses.replace(cfg, mesh=eqxpar.recipe.mesh_text(sizes), virtual_stages=r)
 
 
@@ -136,11 +141,18 @@ def main(argv=None) -> dict:
     if eqxpar.recipe.is_main_process():
         print(f"mesh {cfg.mesh}, schedule {cfg.schedule}, M={M} micro-batches" + (f", r={r}" if r > 1 else ""))
         print(table.text() if table.ticks <= 48 else f"({table.ticks} ticks; use fewer --microbatches to see the table)")
-        print(f"bubble {bubble:.4f} (formula (P-1)/({'r*' if r > 1 else ''}M+P-1) = {bubble_theory(cfg.schedule, P, M, r):.4f})")
-        print(f"stage inputs alive per device: {table.max_in_flight()} micro-batch chunks (activation {activation:,} bytes each)")
+        formula = f"(P-1)/({'r*' if r > 1 else ''}M+P-1)"
+        print(f"bubble {bubble:.4f} (formula {formula} = {bubble_theory(cfg.schedule, P, M, r):.4f})")
+        print(
+            f"stage inputs alive per device: {table.max_in_flight()} micro-batch chunks "
+            f"(activation {activation:,} bytes each)"
+        )
         print(f"temp memory per device (compiled): {temp:,} bytes")
-        print(f"ppermute bytes per device per step: theory {permute_theory:,} ({ticks}+{b_ticks} ticks x {activation:,}), "
-              f"measured {permute_measured:,}; the compiled step's collective-permutes: {permute_compiled:,}")
+        print(
+            f"ppermute bytes per device per step: theory {permute_theory:,} "
+            f"({ticks}+{b_ticks} ticks x {activation:,}), measured {permute_measured:,}; "
+            f"the compiled step's collective-permutes: {permute_compiled:,}"
+        )
 
     # --log-dir: metrics every --log-every steps, TensorBoard events, config.json.
     run_log = eqxpar.recipe.RunLog.from_config(
