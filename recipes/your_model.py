@@ -212,7 +212,8 @@ def main(argv=None) -> dict:
         f"{dense_losses[0]:.4f} -> {dense_losses[-1]:.4f}; largest relative gap over {cfg.steps} steps {gap:.1e}")
     # And back: the trained parallel model as a plain Equinox model.
     trained = eqxpar.nn.to_dense(eqxpar.gather(parallel))
-    say(f"to_dense: {type(trained.blocks[0].attention).__name__}, loss on batch 0 {float(eqx.filter_jit(loss_fn)(trained, batch(0))):.4f}\n")
+    dense_loss = float(eqx.filter_jit(loss_fn)(trained, batch(0)))
+    say(f"to_dense: {type(trained.blocks[0].attention).__name__}, loss on batch 0 {dense_loss:.4f}\n")
 
     # --- Part 2: an explicit plan that also splits the output head. Its logits stay split
     # over `model`, so the loss is the vocabulary-parallel cross-entropy. ---
@@ -226,7 +227,8 @@ def main(argv=None) -> dict:
     report = eqxpar.sharding_report(split)
     say(f"split head: loss {split_losses[0]:.4f} -> {split_losses[-1]:.4f} (largest relative gap to the dense "
         f"model {split_gap:.1e}); all-reduce bytes per step {comm.bytes('all-reduce'):,} -> "
-        f"{split_comm.bytes('all-reduce'):,}; parameters per device {eqxpar.sharding_report(parallel).bytes_per_device:,} "
+        f"{split_comm.bytes('all-reduce'):,}; parameters per device "
+        f"{eqxpar.sharding_report(parallel).bytes_per_device:,} "
         f"-> {report.bytes_per_device:,} of {report.bytes_total:,} bytes")
 
     metrics = {
