@@ -79,12 +79,14 @@ THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
 
 
 @pytest.fixture(autouse=True)
-def _dtype_promotion(request):
-    if request.node.get_closest_marker("standard_promotion") is None:
+def _promotion(request):
+    standard = request.node.get_closest_marker("standard_promotion") is not None
+    allow_rank = request.node.get_closest_marker("allow_rank_promotion") is not None
+    with (
+        jax.numpy_dtype_promotion("standard" if standard else "strict"),
+        jax.numpy_rank_promotion("allow" if allow_rank else "raise"),
+    ):
         yield
-    else:
-        with jax.numpy_dtype_promotion("standard"):
-            yield
 
 
 def pytest_configure(config):
@@ -92,6 +94,12 @@ def pytest_configure(config):
         "markers",
         "standard_promotion: runs under jax_numpy_dtype_promotion='standard' instead of the "
         "suite's 'strict' (bfloat16 training: see the comment in conftest.py)",
+    )
+    config.addinivalue_line(
+        "markers",
+        "allow_rank_promotion: runs under jax_numpy_rank_promotion='allow' instead of the "
+        "suite's 'raise': for code that is not eqxpar's (benchmarks/peer.py, plain JAX written as "
+        "its users write it)",
     )
     config.addinivalue_line(
         "markers",

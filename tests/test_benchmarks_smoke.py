@@ -18,6 +18,7 @@ def _load(name):
     return module
 
 
+@pytest.mark.allow_rank_promotion  # peer.py is plain JAX, not eqxpar: `x @ w + b` broadcasts
 def test_peer_quick_hybrid(capsys, tmp_path):
     """The hybrid strategy has both a data and a model axis: a collective dropped or doubled
     in eqxpar's step (or misplaced by the peer's annotations) moves the loss or the gradient
@@ -48,6 +49,7 @@ def test_mfu_quick_on_cpu(capsys):
     assert "tokens/s" in capsys.readouterr().out
 
 
+@pytest.mark.allow_rank_promotion  # it profiles peer.py's plain-JAX step too
 def test_profile_step_quick(capsys, tmp_path):
     """benchmarks/profile_step.py: every runtime event of both programs is matched to an
     instruction of its compiled HLO, the per-operation table is not empty, and its total
