@@ -267,7 +267,7 @@ def test_uncommitted_arrays_restore_uncommitted(tmp_path):
     np.testing.assert_array_equal(jax.random.key_data(restored_key), jax.random.key_data(key))
     mesh = eqxpar.make_mesh(model=8)
     w = eqxpar.shard(jnp.ones((8, 4)), mesh, jax.sharding.PartitionSpec("model"))
-    step = jax.jit(lambda w, s: w + s[0].count).lower(w, restored).compile()
+    step = jax.jit(lambda w, s: w + s[0].count.astype(w.dtype)).lower(w, restored).compile()
     step(w, restored)  # accepted next to arrays on 8 devices
 
 
