@@ -45,9 +45,7 @@ from eqxpar.train import (
 @dataclasses.dataclass
 class Config(eqxpar.recipe.CheckpointFlags, eqxpar.recipe.LogFlags):  # + checkpoint flags, --log-dir, --log-every
     devices: int = 8  # simulated CPU devices when there is no accelerator
-    # The stage axis splits the blocks, data the batch, e.g. stage=4,data=2 (optionally
-    # model=: tensor parallel in each stage); auto: fit the devices.
-    mesh: str = "auto"
+    mesh: str = "auto"  # stage splits the blocks, data the batch (e.g. stage=4,data=2; model=: TP); auto: fit
     schedule: Literal["gpipe", "circular", "1f1b"] = "gpipe"  # the pipeline schedule (eqxpar.train.SCHEDULES)
     microbatches: int = 16  # micro-batches per data shard (M; 4P by default)
     virtual_stages: int = 2  # layer chunks per device under --schedule circular (r)
