@@ -26,6 +26,11 @@ import sys
 
 import pytest
 
+# The pages' code is user code: it runs under JAX's default promotion rules, not the
+# suite's strict ones (tests/conftest.py), as it does for a reader.
+pytestmark = [pytest.mark.standard_promotion, pytest.mark.allow_rank_promotion]
+
+
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 CONCEPTS = sorted((DOCS / "concepts").glob("*.md"))
 RUN_ELSEWHERE = {"your_model": "tests/test_parallelize_parity.py::test_the_concept_page_runs_as_written"}

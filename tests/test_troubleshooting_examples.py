@@ -17,6 +17,11 @@ import sys
 import jax
 import pytest
 
+# The pages' code is user code: it runs under JAX's default promotion rules, not the
+# suite's strict ones (tests/conftest.py), as it does for a reader.
+pytestmark = [pytest.mark.standard_promotion, pytest.mark.allow_rank_promotion]
+
+
 PAGE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "troubleshooting.md"
 BLOCK = re.compile(r"```python\n(?P<code>.*?)```(?:\s*\n```text\n(?P<out>.*?)```)?", re.S)
 DEVICES = re.compile(r"simulate_cpu_devices\((\d+)\)")
