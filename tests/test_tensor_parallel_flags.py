@@ -63,6 +63,7 @@ def test_options_change_how_the_recipe_computes_not_what(default_run, tmp_path, 
 
 
 @pytest.mark.slow
+@pytest.mark.standard_promotion  # bfloat16 training: jax.nn.dot_product_attention (tests/conftest.py)
 def test_bfloat16_run_stays_near_float32_and_every_run_reports_its_speed(default_run, tmp_path):
     run = run_recipe("tensor_parallel", tmp_path, *SMALL, "--mesh", "model=4", "--dtype", "bfloat16")
     # The tolerance stated in tests/test_precision.py: 0.05 per step (bfloat16 resolves
