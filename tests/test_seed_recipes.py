@@ -14,6 +14,10 @@ from jax.sharding import PartitionSpec as P
 import eqxpar
 from eqxpar.testing import assert_trees_close, mesh_sizes, on_one_device
 
+# The seed recipes are plain JAX written as a tutorial writes it (`x @ w + b` with a (n,) bias),
+# not eqxpar's library code, which the strict settings in conftest.py are for.
+pytestmark = pytest.mark.allow_rank_promotion
+
 # Loaded once: the recipes' jitted functions then keep their compile caches across examples.
 three_ways = load_recipe("three_ways")
 pmap_recipe = load_recipe("pmap_data_parallel")
