@@ -36,7 +36,12 @@ def all_reduces(hlo_text: str) -> list[int]:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=400, help="timed steps of each kind for the small model (a tenth of that for the large one)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=400,
+        help="timed steps of each kind for the small model (a tenth of that for the large one)",
+    )
     args = parser.parse_args(argv)
     eqxpar.simulate_cpu_devices(args.devices)
 
@@ -84,7 +89,10 @@ def main(argv=None) -> dict:
         model = eqx.nn.MLP(features, classes, width, depth, activation=jax.nn.relu, key=key)
         params, static = eqx.partition(model, eqx.is_inexact_array)
         rng = np.random.default_rng(0)
-        host_batch = (rng.normal(size=(batch_size, features)).astype(np.float32), rng.integers(0, classes, batch_size).astype(np.int32))
+        host_batch = (
+            rng.normal(size=(batch_size, features)).astype(np.float32),
+            rng.integers(0, classes, batch_size).astype(np.int32),
+        )
         batch = shard_batch(host_batch, mesh)
 
         ours = data_parallel_step(loss_fn, optimizer, mesh)

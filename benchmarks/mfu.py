@@ -81,8 +81,10 @@ def main(argv=None) -> list:
     starts = rng.integers(0, len(text.ids) - args.context - 1, args.batch)
     tokens = np.stack([text.ids[s : s + args.context + 1] for s in starts]).astype(np.int32)
     device = jax.devices()[0]
-    print(f"{device.device_kind} ({device.platform}); peak bf16 {peak_flops(device, jnp.bfloat16)}, "
-          f"fp32 {peak_flops(device, jnp.float32)} FLOP/s per chip; global batch {args.batch} x {args.context} tokens\n")
+    print(
+        f"{device.device_kind} ({device.platform}); peak bf16 {peak_flops(device, jnp.bfloat16)}, "
+        f"fp32 {peak_flops(device, jnp.float32)} FLOP/s per chip; global batch {args.batch} x {args.context} tokens\n"
+    )
 
     def loss_fn(model, batch, key):
         return next_token_loss(model, batch, key=key)
@@ -97,8 +99,9 @@ def main(argv=None) -> list:
                 mesh = eqxpar.make_mesh(**sizes)
                 n = mesh.devices.size
                 precision = Precision(compute_dtype=dtype) if dtype != jnp.float32 else None
-                step = hybrid_step(loss_fn, optax.adam(1e-3), mesh, param_specs=partition_specs(gpt, mesh),
-                                   precision=precision)
+                step = hybrid_step(
+                    loss_fn, optax.adam(1e-3), mesh, param_specs=partition_specs(gpt, mesh), precision=precision
+                )
                 state = step.init(gpt)
                 batch = eqxpar.shard(tokens, mesh, P("data"))
                 xla_flops = compiled_flops(step.lower(*state, batch).compile())  # per device
@@ -112,28 +115,36 @@ def main(argv=None) -> list:
                         times.append(time.perf_counter() - t)
                 t = statistics.median(times)
                 tokens_per_s = args.batch * args.context / t
-                rows.append(dict(
-                    config=f"{dim}x{layers}", dtype=dtype_name, mesh=mesh_name, devices=n, step_ms=t * 1e3,
-                    tokens_per_s=tokens_per_s, flops_per_token=flops_per_token,
-                    model_flops_per_s=tokens_per_s * flops_per_token,
-                    xla_flops_per_s=None if xla_flops is None else xla_flops * n / t,
-                    mfu=mfu(tokens_per_s, flops_per_token, n, device, dtype),
-                    loss=float(metrics["loss"]),
-                ))
+                rows.append(
+                    dict(
+                        config=f"{dim}x{layers}",
+                        dtype=dtype_name,
+                        mesh=mesh_name,
+                        devices=n,
+                        step_ms=t * 1e3,
+                        tokens_per_s=tokens_per_s,
+                        flops_per_token=flops_per_token,
+                        model_flops_per_s=tokens_per_s * flops_per_token,
+                        xla_flops_per_s=None if xla_flops is None else xla_flops * n / t,
+                        mfu=mfu(tokens_per_s, flops_per_token, n, device, dtype),
+                        loss=float(metrics["loss"]),
+                    )
+                )
                 print(_row(rows[-1]), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(config=dict(vars(args)), device=device.device_kind, rows=rows), f,
-                      indent=1)
+            json.dump(dict(config=dict(vars(args)), device=device.device_kind, rows=rows), f, indent=1)
     return rows
 
 
 def _row(r: dict) -> str:
     xla = "-" if r["xla_flops_per_s"] is None else f"{r['xla_flops_per_s'] / 1e9:.2f}"
     mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-    return (f"{r['config']:>7} {r['dtype']:>8} {r['mesh']:>14}: step {r['step_ms']:8.1f} ms  "
-            f"{r['tokens_per_s']:10,.0f} tokens/s  model {r['model_flops_per_s'] / 1e9:8.2f} GFLOP/s  "
-            f"XLA {xla:>8} GFLOP/s  MFU {mfu:>6}")
+    return (
+        f"{r['config']:>7} {r['dtype']:>8} {r['mesh']:>14}: step {r['step_ms']:8.1f} ms  "
+        f"{r['tokens_per_s']:10,.0f} tokens/s  model {r['model_flops_per_s'] / 1e9:8.2f} GFLOP/s  "
+        f"XLA {xla:>8} GFLOP/s  MFU {mfu:>6}"
+    )
 
 
 if __name__ == "__main__":

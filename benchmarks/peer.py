@@ -62,8 +62,12 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--context", type=int, default=32, help="tokens per sequence")
     parser.add_argument("--batch", type=int, default=32, help="global batch (sequences per step)")
-    parser.add_argument("--fsdp-min-size", type=int, default=0,
-                        help="FSDP: arrays with fewer elements stay whole, in both programs (fsdp_specs' min_size)")
+    parser.add_argument(
+        "--fsdp-min-size",
+        type=int,
+        default=0,
+        help="FSDP: arrays with fewer elements stay whole, in both programs (fsdp_specs' min_size)",
+    )
 
 
 def finish_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -81,8 +85,11 @@ def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_flags(parser)
     parser.add_argument("--rounds", type=int, default=None, help="timed A/B rounds per strategy (15; --quick: 3)")
-    parser.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
-                        help="comma-separated: dp, tp, hybrid, fsdp (default), single (one device)")
+    parser.add_argument(
+        "--strategies",
+        default=",".join(DEFAULT_STRATEGIES),
+        help="comma-separated: dp, tp, hybrid, fsdp (default), single (one device)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny model, 3 rounds: a smoke test")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -106,16 +113,29 @@ def peer_params(gpt, jnp):
     layers = []
     for b in gpt.blocks:
         a, m = b.attention, b.mlp
-        layers.append(dict(
-            ln1_w=b.attention_norm.weight, ln1_b=b.attention_norm.bias,
-            wq=qkv(a.query_proj), wk=qkv(a.key_proj), wv=qkv(a.value_proj),
-            wo=jnp.asarray(a.output_proj.weight).T.reshape(heads, -1, dim),
-            ln2_w=b.mlp_norm.weight, ln2_b=b.mlp_norm.bias,
-            w1=m.hidden.weight.T, b1=m.hidden.bias, w2=m.output.weight.T, b2=m.output.bias,
-        ))
+        layers.append(
+            dict(
+                ln1_w=b.attention_norm.weight,
+                ln1_b=b.attention_norm.bias,
+                wq=qkv(a.query_proj),
+                wk=qkv(a.key_proj),
+                wv=qkv(a.value_proj),
+                wo=jnp.asarray(a.output_proj.weight).T.reshape(heads, -1, dim),
+                ln2_w=b.mlp_norm.weight,
+                ln2_b=b.mlp_norm.bias,
+                w1=m.hidden.weight.T,
+                b1=m.hidden.bias,
+                w2=m.output.weight.T,
+                b2=m.output.bias,
+            )
+        )
     return dict(
-        wte=gpt.token_embedding.weight, wpe=gpt.position_embedding.weight, layers=layers,
-        lnf_w=gpt.final_norm.weight, lnf_b=gpt.final_norm.bias, head=gpt.head.weight.T,
+        wte=gpt.token_embedding.weight,
+        wpe=gpt.position_embedding.weight,
+        layers=layers,
+        lnf_w=gpt.final_norm.weight,
+        lnf_b=gpt.final_norm.bias,
+        head=gpt.head.weight.T,
     )
 
 
@@ -124,8 +144,14 @@ def peer_param_specs(params, P, *, model, fsdp, fsdp_size, min_size=0):
     array of at least `min_size` elements split over `fsdp` on its first dimension that
     divides (the rule of `eqxpar.train.fsdp_specs`)."""
     tp = {
-        "wte": P(model, None), "head": P(None, model), "wq": P(None, model, None), "wk": P(None, model, None),
-        "wv": P(None, model, None), "wo": P(model, None, None), "w1": P(None, model), "b1": P(model),
+        "wte": P(model, None),
+        "head": P(None, model),
+        "wq": P(None, model, None),
+        "wk": P(None, model, None),
+        "wv": P(None, model, None),
+        "wo": P(model, None, None),
+        "w1": P(None, model),
+        "b1": P(model),
         "w2": P(model, None),
     }
 
@@ -166,8 +192,10 @@ def make_peer_loss(jax, jnp, P, mesh, *, vocab, batch_axis, model, eps=1e-5):
         for i, layer in enumerate(params["layers"]):
             with scope(f"block_{i}"), scope("attention"):
                 h = norm(x, layer["ln1_w"], layer["ln1_b"])
-                q, k, v = (constrain(jnp.einsum("btd,dhk->bthk", h, layer[w]), P(batch_axis, None, model, None))
-                           for w in ("wq", "wk", "wv"))
+                q, k, v = (
+                    constrain(jnp.einsum("btd,dhk->bthk", h, layer[w]), P(batch_axis, None, model, None))
+                    for w in ("wq", "wk", "wv")
+                )
                 o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
                 x = constrain(x + jnp.einsum("bthk,hkd->btd", o, layer["wo"]), P(batch_axis, None, None))
             with scope(f"block_{i}"), scope("mlp"):
@@ -193,8 +221,9 @@ def make_peer_step(jax, optax, loss_fn, optimizer, param_sh, opt_sh, batch_sh):
         metrics = {"loss": loss, "grad_norm": norm(grads)}
         return optax.apply_updates(params, updates), opt_state, metrics
 
-    return jax.jit(step, in_shardings=(param_sh, opt_sh, batch_sh), out_shardings=(param_sh, opt_sh, None),
-                   donate_argnums=(0, 1))
+    return jax.jit(
+        step, in_shardings=(param_sh, opt_sh, batch_sh), out_shardings=(param_sh, opt_sh, None), donate_argnums=(0, 1)
+    )
 
 
 # ------------------------------------------------------------------------ measurement
@@ -212,8 +241,9 @@ def source_version() -> dict:
     root = pathlib.Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "eqxpar"], cwd=root, capture_output=True,
-                               text=True).stdout.split("\n")
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "eqxpar"], cwd=root, capture_output=True, text=True
+        ).stdout.split("\n")
     except OSError:
         return {}
     return {"commit": head, "uncommitted": [line[3:] for line in dirty if line.strip()]}
@@ -319,15 +349,23 @@ class Pair:
 
         # peer
         params = jax.tree.map(lambda x: jnp.array(x, copy=True), peer_params(ctx.new_gpt(), jnp))
-        p_specs = peer_param_specs(params, P, model=model_axis, fsdp=fsdp, fsdp_size=mesh.shape.get("fsdp", 1),
-                                   min_size=getattr(ctx.args, "fsdp_min_size", 0))
+        p_specs = peer_param_specs(
+            params,
+            P,
+            model=model_axis,
+            fsdp=fsdp,
+            fsdp_size=mesh.shape.get("fsdp", 1),
+            min_size=getattr(ctx.args, "fsdp_min_size", 0),
+        )
         p_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), p_specs, is_leaf=lambda x: isinstance(x, P))
         params = jax.device_put(params, p_sh)
         abstract = jax.eval_shape(optimizer.init, params)
         o_sh = (abstract[0]._replace(count=NamedSharding(mesh, P()), mu=p_sh, nu=p_sh), abstract[1])
         opt_state = jax.jit(optimizer.init, out_shardings=o_sh)(params)
         b_sh = NamedSharding(mesh, P(batch_axis))
-        peer_loss = make_peer_loss(jax, jnp, P, mesh, vocab=ctx.text.vocab_size, batch_axis=batch_axis, model=model_axis)
+        peer_loss = make_peer_loss(
+            jax, jnp, P, mesh, vocab=ctx.text.vocab_size, batch_axis=batch_axis, model=model_axis
+        )
         self.peer = make_peer_step(jax, ctx.optax, peer_loss, optimizer, p_sh, o_sh, b_sh)
         self.b_batches = [jax.device_put(b, b_sh) for b in ctx.batches]
         t = time.perf_counter()
@@ -399,14 +437,22 @@ def main(argv=None) -> dict:
         b_temp = int(b_compiled.memory_analysis().temp_size_in_bytes)
         total_a, total_b = sum(a_bytes.values()), sum(b_bytes.values())
         results[name] = dict(
-            parity=parity, parity_rel=worst,
-            eqxpar_ms=statistics.median(ta) * 1e3, peer_ms=statistics.median(tb) * 1e3,
-            time_ratio=statistics.median(ratios), ratios=ratios,
-            eqxpar_bytes=a_bytes, peer_bytes=b_bytes,
-            eqxpar_collectives=counts_by_kind(a_comm), peer_collectives=counts_by_kind(b_comm),
+            parity=parity,
+            parity_rel=worst,
+            eqxpar_ms=statistics.median(ta) * 1e3,
+            peer_ms=statistics.median(tb) * 1e3,
+            time_ratio=statistics.median(ratios),
+            ratios=ratios,
+            eqxpar_bytes=a_bytes,
+            peer_bytes=b_bytes,
+            eqxpar_collectives=counts_by_kind(a_comm),
+            peer_collectives=counts_by_kind(b_comm),
             bytes_ratio=(total_a / total_b) if total_b else (1.0 if total_a == 0 else math.inf),
-            eqxpar_temp=a_temp, peer_temp=b_temp, temp_ratio=a_temp / b_temp if b_temp else math.inf,
-            eqxpar_compile_s=pair.a_compile, peer_compile_s=pair.b_compile,
+            eqxpar_temp=a_temp,
+            peer_temp=b_temp,
+            temp_ratio=a_temp / b_temp if b_temp else math.inf,
+            eqxpar_compile_s=pair.a_compile,
+            peer_compile_s=pair.b_compile,
             eqxpar_hlo=hlo_counts(a_compiled.as_text()) | cost(a_compiled),
             peer_hlo=hlo_counts(b_compiled.as_text()) | cost(b_compiled),
         )
@@ -414,8 +460,11 @@ def main(argv=None) -> dict:
     print_table(results, args)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(config=vars(args), n_params=int(ctx.n_params), targets=TARGETS, source=source,
-                           results=results), f, indent=1)
+            json.dump(
+                dict(config=vars(args), n_params=int(ctx.n_params), targets=TARGETS, source=source, results=results),
+                f,
+                indent=1,
+            )
     return results
 
 
@@ -423,13 +472,33 @@ def print_table(results: dict, args) -> None:
     def kinds(b):
         return " ".join(f"{k.split('-')[-1][:6]}={v:,}" for k, v in b.items() if v) or "0"
 
-    head = ("strategy", "parity", "eqxpar ms", "peer ms", "time ratio", "bytes ratio", "temp ratio",
-            "compile s (eqxpar/peer)", "eqxpar bytes by kind", "peer bytes by kind")
-    rows = [(
-        name, f"{r['parity_rel']:.1e}", f"{r['eqxpar_ms']:.1f}", f"{r['peer_ms']:.1f}", f"{r['time_ratio']:.2f}",
-        f"{r['bytes_ratio']:.3f}", f"{r['temp_ratio']:.2f}", f"{r['eqxpar_compile_s']:.1f}/{r['peer_compile_s']:.1f}",
-        kinds(r["eqxpar_bytes"]), kinds(r["peer_bytes"]),
-    ) for name, r in results.items()]
+    head = (
+        "strategy",
+        "parity",
+        "eqxpar ms",
+        "peer ms",
+        "time ratio",
+        "bytes ratio",
+        "temp ratio",
+        "compile s (eqxpar/peer)",
+        "eqxpar bytes by kind",
+        "peer bytes by kind",
+    )
+    rows = [
+        (
+            name,
+            f"{r['parity_rel']:.1e}",
+            f"{r['eqxpar_ms']:.1f}",
+            f"{r['peer_ms']:.1f}",
+            f"{r['time_ratio']:.2f}",
+            f"{r['bytes_ratio']:.3f}",
+            f"{r['temp_ratio']:.2f}",
+            f"{r['eqxpar_compile_s']:.1f}/{r['peer_compile_s']:.1f}",
+            kinds(r["eqxpar_bytes"]),
+            kinds(r["peer_bytes"]),
+        )
+        for name, r in results.items()
+    ]
     widths = [max(len(str(row[i])) for row in [head, *rows]) for i in range(len(head))]
     fmt = "  ".join(f"{{:{'<' if i in (0, 8, 9) else '>'}{w}}}" for i, w in enumerate(widths))
     print(fmt.format(*head))
@@ -446,12 +515,19 @@ def print_table(results: dict, args) -> None:
     for name, r in results.items():
         a, b = r["eqxpar_hlo"], r["peer_hlo"]
         ca, cb = r["eqxpar_collectives"], r["peer_collectives"]
-        print(f"  {name}: " + ", ".join(f"{k} {a[k]}/{b[k]}" for k in a)
-              + "; collectives " + ", ".join(f"{k} {ca[k]}/{cb[k]}" for k in ca if ca[k] or cb[k])
-              + f"; temp {r['eqxpar_temp']:,}/{r['peer_temp']:,} B")
-    missed = [(n, k) for n, r in results.items()
-              for k, v in (("time", r["time_ratio"]), ("bytes", r["bytes_ratio"]), ("temp", r["temp_ratio"]))
-              if v > TARGETS[k]]
+        print(
+            f"  {name}: "
+            + ", ".join(f"{k} {a[k]}/{b[k]}" for k in a)
+            + "; collectives "
+            + ", ".join(f"{k} {ca[k]}/{cb[k]}" for k in ca if ca[k] or cb[k])
+            + f"; temp {r['eqxpar_temp']:,}/{r['peer_temp']:,} B"
+        )
+    missed = [
+        (n, k)
+        for n, r in results.items()
+        for k, v in (("time", r["time_ratio"]), ("bytes", r["bytes_ratio"]), ("temp", r["temp_ratio"]))
+        if v > TARGETS[k]
+    ]
     print("\ntargets missed: " + (", ".join(f"{n} {k}" for n, k in missed) if missed else "none"))
 
 

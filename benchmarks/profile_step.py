@@ -60,8 +60,21 @@ import eqxpar
 HERE = pathlib.Path(__file__).resolve().parent
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 LAYERS = ("attention", "mlp", "embedding", "head", "loss")
-MOVES = {"copy", "transpose", "bitcast", "reshape", "parameter", "broadcast", "slice", "concatenate", "tuple",
-         "get-tuple-element", "constant", "pad", "reverse"}
+MOVES = {
+    "copy",
+    "transpose",
+    "bitcast",
+    "reshape",
+    "parameter",
+    "broadcast",
+    "slice",
+    "concatenate",
+    "tuple",
+    "get-tuple-element",
+    "constant",
+    "pad",
+    "reverse",
+}
 
 
 def _load_peer():
@@ -77,8 +90,9 @@ def parse(argv=None):
     peer.add_model_flags(parser)
     parser.add_argument("--steps", type=int, default=None, help="profiled steps of each program (8; --quick: 2)")
     parser.add_argument("--strategies", default="hybrid,fsdp", help="comma-separated: dp, tp, hybrid, fsdp, single")
-    parser.add_argument("--rounds", type=int, default=None,
-                        help="A/B rounds timed without the profiler first (8; --quick: 1)")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="A/B rounds timed without the profiler first (8; --quick: 1)"
+    )
     parser.add_argument("--top", type=int, default=12, help="rows in the per-operation table")
     parser.add_argument("--quick", action="store_true", help="tiny GPT, 2 steps: a smoke test")
     parser.add_argument("--trace-dir", help="keep the raw traces here (default: a temporary folder, removed)")
@@ -120,8 +134,15 @@ def hlo_instructions(text: str) -> tuple[str, dict]:
         computations[current].append(opcode)
         calls = re.search(r"calls=%?([\w.\-]+)", rest)
         op_name = re.search(r'op_name="([^"]*)"', rest)
-        rows.append((name, opcode, calls.group(1) if calls else None, op_name.group(1) if op_name else "",
-                     rest[: op.start()].strip()))
+        rows.append(
+            (
+                name,
+                opcode,
+                calls.group(1) if calls else None,
+                op_name.group(1) if op_name else "",
+                rest[: op.start()].strip(),
+            )
+        )
     out = {}
     for name, opcode, calls, op_name, shape in rows:
         inner = set(computations.get(calls, ())) if calls else set()
@@ -163,8 +184,11 @@ def trace_events(trace_dir: str) -> list[dict]:
     `trace_dir`, with `self` (its duration less that of the HLO events nested in it on the
     same thread). Where the trace has device processes (a GPU's `/device:...`), only
     theirs: the host's launch events of the same operations would count twice."""
-    files = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
-                   or glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
+    files = sorted(
+        glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+        or glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True),
+        key=os.path.getmtime,
+    )
     if not files:
         raise FileNotFoundError(f"no trace under {trace_dir}")
     with gzip.open(files[-1], "rt") as f:
@@ -203,7 +227,9 @@ def _share_overlaps(ops: list[dict]) -> None:
         if e["self"] >= e["dur"] - 1e-9:  # no nested events: takes part in the split
             by_device[(e["pid"], e["args"].get("device_ordinal"))].append(e)
     for evs in by_device.values():
-        edges = sorted([(e["ts"], 1, i) for i, e in enumerate(evs)] + [(e["ts"] + e["dur"], 0, i) for i, e in enumerate(evs)])
+        edges = sorted(
+            [(e["ts"], 1, i) for i, e in enumerate(evs)] + [(e["ts"] + e["dur"], 0, i) for i, e in enumerate(evs)]
+        )
         for e in evs:
             e["share"] = 0.0
         active: set[int] = set()
@@ -259,17 +285,36 @@ def summarize(events: list[dict], module: str, instructions: dict, steps: int) -
     least = collections.Counter()  # per kind: each instruction's fastest run times its runs per step and device
     for name, t in fastest.items():
         least[instructions.get(name, {}).get("kind", "other")] += t * counts[name] * ms
-    spans = [(max(e["ts"] + e["dur"] for e in r) - min(e["ts"] for e in r)) / 1e3 for k, r in runs.items() if k is not None]
+    spans = [
+        (max(e["ts"] + e["dur"] for e in r) - min(e["ts"] for e in r)) / 1e3 for k, r in runs.items() if k is not None
+    ]
     n_dev = max(len(devices), 1)
-    top = [dict(op=n, ms=t, calls_per_step=counts[n] / (steps * n_dev), kind=instructions.get(n, {}).get("kind", "other"),
-                scope="/".join(layer_and_pass(instructions.get(n, {}).get("op_name", ""))),
-                shape=instructions.get(n, {}).get("shape", "")) for n, t in ops.most_common()]
-    return dict(total_ms=sum(kinds.values()), events=len(mine), least=dict(least), least_ms=sum(least.values()),
-                overlapped_ms=sum(e["self"] - e["share"] for e in mine) * ms, devices=len(devices), kinds=dict(kinds),
-                layers=dict(layers), ops=top, span_ms=statistics.median(spans) if spans else None,
-                collectives_per_step=sum(counts[n] for n in counts if instructions.get(n, {}).get("kind") in COLLECTIVES)
-                / (steps * n_dev),
-                unmatched=sum(1 for e in mine if e["args"]["hlo_op"] not in instructions))
+    top = [
+        dict(
+            op=n,
+            ms=t,
+            calls_per_step=counts[n] / (steps * n_dev),
+            kind=instructions.get(n, {}).get("kind", "other"),
+            scope="/".join(layer_and_pass(instructions.get(n, {}).get("op_name", ""))),
+            shape=instructions.get(n, {}).get("shape", ""),
+        )
+        for n, t in ops.most_common()
+    ]
+    return dict(
+        total_ms=sum(kinds.values()),
+        events=len(mine),
+        least=dict(least),
+        least_ms=sum(least.values()),
+        overlapped_ms=sum(e["self"] - e["share"] for e in mine) * ms,
+        devices=len(devices),
+        kinds=dict(kinds),
+        layers=dict(layers),
+        ops=top,
+        span_ms=statistics.median(spans) if spans else None,
+        collectives_per_step=sum(counts[n] for n in counts if instructions.get(n, {}).get("kind") in COLLECTIVES)
+        / (steps * n_dev),
+        unmatched=sum(1 for e in mine if e["args"]["hlo_op"] not in instructions),
+    )
 
 
 # -------------------------------------------------------------------------- profiling
@@ -323,16 +368,22 @@ def print_profile(name: str, r: dict, top: int) -> None:
             print(f"  {k:<34}{x:>10.1f}{y:>10.1f}{x - y:>+10.1f}")
 
     span = lambda s: "-" if s["span_ms"] is None else f"{s['span_ms']:.1f}"  # noqa: E731
-    print(f"\n== {name}: ms per step (mean over {a['devices']} devices), {a['events']}/{b['events']} events "
-          f"eqxpar/peer; collectives run per step {a['collectives_per_step']:.0f}/{b['collectives_per_step']:.0f} ==")
+    print(
+        f"\n== {name}: ms per step (mean over {a['devices']} devices), {a['events']}/{b['events']} events "
+        f"eqxpar/peer; collectives run per step {a['collectives_per_step']:.0f}/{b['collectives_per_step']:.0f} =="
+    )
     plain = f"{statistics.median(r['unprofiled_ratios']):.2f}" if r["unprofiled_ratios"] else "-"
-    print(f"  wall (Python, median)  eqxpar {a['wall_ms']:.1f}  peer {b['wall_ms']:.1f}  ratio "
-          f"{statistics.median(r['ratios']):.2f} (without the profiler: {plain});  span  eqxpar {span(a)}  peer {span(b)}")
+    print(
+        f"  wall (Python, median)  eqxpar {a['wall_ms']:.1f}  peer {b['wall_ms']:.1f}  ratio "
+        f"{statistics.median(r['ratios']):.2f} (without the profiler: {plain});  span  eqxpar {span(a)}  peer {span(b)}"
+    )
     kinds = sorted(set(a["kinds"]) | set(b["kinds"]), key=lambda k: -(a["kinds"].get(k, 0) + b["kinds"].get(k, 0)))
     table("by kind", kinds, lambda s, k: s["kinds"].get(k, 0.0))
     print(f"  {'total':<34}{a['total_ms']:>10.1f}{b['total_ms']:>10.1f}{a['total_ms'] - b['total_ms']:>+10.1f}")
-    print(f"  {'(overlapped, split above)':<34}{a['overlapped_ms']:>10.1f}{b['overlapped_ms']:>10.1f}"
-          f"{a['overlapped_ms'] - b['overlapped_ms']:>+10.1f}")
+    print(
+        f"  {'(overlapped, split above)':<34}{a['overlapped_ms']:>10.1f}{b['overlapped_ms']:>10.1f}"
+        f"{a['overlapped_ms'] - b['overlapped_ms']:>+10.1f}"
+    )
     kinds = sorted(set(a["least"]) | set(b["least"]), key=lambda k: -(a["least"].get(k, 0) + b["least"].get(k, 0)))
     table("least time by kind (fastest runs)", kinds, lambda s, k: s["least"].get(k, 0.0))
     print(f"  {'total':<34}{a['least_ms']:>10.1f}{b['least_ms']:>10.1f}{a['least_ms'] - b['least_ms']:>+10.1f}")
@@ -341,8 +392,10 @@ def print_profile(name: str, r: dict, top: int) -> None:
     for who, s in (("eqxpar", a), ("peer", b)):
         print(f"  {who}: largest operations (ms/step, calls/step, kind, layer/pass, shape)")
         for o in s["ops"][:top]:
-            print(f"    {o['ms']:8.2f}  {o['calls_per_step']:4.0f}  {o['op'][:40]:<40} {o['kind']:<20} "
-                  f"{o['scope']:<18} {o['shape'][:40]}")
+            print(
+                f"    {o['ms']:8.2f}  {o['calls_per_step']:4.0f}  {o['op'][:40]:<40} {o['kind']:<20} "
+                f"{o['scope']:<18} {o['shape'][:40]}"
+            )
 
 
 def main(argv=None) -> dict:
@@ -371,8 +424,11 @@ def main(argv=None) -> dict:
         del pair
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(config=vars(args), load=os.getloadavg(), source=peer.source_version(), results=results),
-                      f, indent=1)
+            json.dump(
+                dict(config=vars(args), load=os.getloadavg(), source=peer.source_version(), results=results),
+                f,
+                indent=1,
+            )
     return results
 
 

@@ -149,8 +149,14 @@ def main(argv=None) -> dict:
         memory = MemoryReport.of(compiled, *state, batch)
         assert memory.arguments == memory.state + memory.other_inputs, "shardings disagree with XLA"
         runs[s.name] = dict(
-            strategy=s, step=step, state=state, batch=batch, memory=memory,
-            comparison=comm.versus(theory), theory=theory, times=[],
+            strategy=s,
+            step=step,
+            state=state,
+            batch=batch,
+            memory=memory,
+            comparison=comm.versus(theory),
+            theory=theory,
+            times=[],
         )
 
     def timed_step(run):
@@ -165,7 +171,7 @@ def main(argv=None) -> dict:
         timed_step(runs[name])
         timed_step(runs[name])
     for r in range(args.rounds):
-        order = names[r % len(names):] + names[: r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             runs[name]["times"].append(timed_step(runs[name]))
 
@@ -173,8 +179,21 @@ def main(argv=None) -> dict:
     t_single = statistics.median(single["times"])
     state_single = single["memory"].state
     temp_single = single["memory"].temporaries
-    head = ("strategy", "step ms", "time/single", "comm B/device", "theory B", "lowered/th", "compiled/th",
-            "state/device", "state/single", "ideal", "vs ideal", "temp/device", "temp/single")
+    head = (
+        "strategy",
+        "step ms",
+        "time/single",
+        "comm B/device",
+        "theory B",
+        "lowered/th",
+        "compiled/th",
+        "state/device",
+        "state/single",
+        "ideal",
+        "vs ideal",
+        "temp/device",
+        "temp/single",
+    )
     rows = []
     results = {}
     for name, run in runs.items():
@@ -190,15 +209,34 @@ def main(argv=None) -> dict:
 
         state_ratio = memory.state / state_single
         results[name] = dict(
-            step_ms=t * 1e3, time_ratio=t / t_single, comm_lowered=lowered, comm_compiled=compiled,
-            theory=theory_bytes, state=memory.state, state_ratio=state_ratio, ideal=1 / split,
-            temp=memory.temporaries, temp_ratio=memory.temporaries / temp_single,
+            step_ms=t * 1e3,
+            time_ratio=t / t_single,
+            comm_lowered=lowered,
+            comm_compiled=compiled,
+            theory=theory_bytes,
+            state=memory.state,
+            state_ratio=state_ratio,
+            ideal=1 / split,
+            temp=memory.temporaries,
+            temp_ratio=memory.temporaries / temp_single,
         )
-        rows.append((
-            name, f"{t * 1e3:.1f}", f"{t / t_single:.2f}", f"{compiled:,}", f"{theory_bytes:,}", ratio(lowered),
-            ratio(compiled), f"{memory.state:,}", f"{state_ratio:.4f}", f"{1 / split:.4f}",
-            f"{state_ratio * split:.3f}", f"{memory.temporaries:,}", f"{memory.temporaries / temp_single:.2f}",
-        ))
+        rows.append(
+            (
+                name,
+                f"{t * 1e3:.1f}",
+                f"{t / t_single:.2f}",
+                f"{compiled:,}",
+                f"{theory_bytes:,}",
+                ratio(lowered),
+                ratio(compiled),
+                f"{memory.state:,}",
+                f"{state_ratio:.4f}",
+                f"{1 / split:.4f}",
+                f"{state_ratio * split:.3f}",
+                f"{memory.temporaries:,}",
+                f"{memory.temporaries / temp_single:.2f}",
+            )
+        )
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     fmt = "  ".join(f"{{:{'<' if i == 0 else '>'}{w}}}" for i, w in enumerate(widths))
     print(fmt.format(*head))
@@ -221,9 +259,11 @@ def main(argv=None) -> dict:
         again = sum(t.bytes for t in theory.terms if t.kind == "all-gather" and "again" in t.what)
         gathered = sum(r.compiled for r in c.rows if r.kind == "all-gather")
         verdict = (
-            "the compiled program keeps them" if gathered == theory.bytes("all-gather")
+            "the compiled program keeps them"
+            if gathered == theory.bytes("all-gather")
             else "the compiled program gathers only the forward pass's weights: XLA merged the second gathers "
-            "into the first and keeps the gathered weights alive" if gathered == theory.bytes("all-gather") - again
+            "into the first and keeps the gathered weights alive"
+            if gathered == theory.bytes("all-gather") - again
             else "the compiled program gathers neither exactly once nor exactly twice"
         )
         print(

@@ -124,8 +124,16 @@ class _FailFast:
     previous_exit: Callable[..., Any]
     wakeup: tuple[socket.socket, socket.socket]
 
-    def __init__(self, client: Any, process_id: int, num_processes: int, address: str | None,
-                 poll_s: float, lost_after_s: float, finish_timeout_s: float):
+    def __init__(
+        self,
+        client: Any,
+        process_id: int,
+        num_processes: int,
+        address: str | None,
+        poll_s: float,
+        lost_after_s: float,
+        finish_timeout_s: float,
+    ):
         self.client, self.pid, self.count, self.address = client, process_id, num_processes, address
         self.poll_s, self.lost_after_s, self.finish_timeout_s = poll_s, lost_after_s, finish_timeout_s
         self.lock = threading.Lock()  # the first path that ends the process holds it to the end
@@ -152,8 +160,10 @@ class _FailFast:
                 pass
             hint = ""
             if any(word in summary.lower() for word in ("gloo", "connection", "socket", "nccl")):
-                hint = (" (a collective lost its connection to another process, which has "
-                        "probably died: see that process's output or the scheduler's)")
+                hint = (
+                    " (a collective lost its connection to another process, which has "
+                    "probably died: see that process's output or the scheduler's)"
+                )
             # Said before the coordination service is asked anything: if a dead peer makes JAX
             # abort this process meanwhile, the failure has been named already.
             self._say(
@@ -193,8 +203,10 @@ class _FailFast:
     def excepthook(self, exc_type, exc, tb) -> None:
         status = 130 if issubclass(exc_type, KeyboardInterrupt) else 1
         self._fail(
-            "has an uncaught exception", _summary(exc_type, exc),
-            lambda: self.previous_excepthook(exc_type, exc, tb), status,
+            "has an uncaught exception",
+            _summary(exc_type, exc),
+            lambda: self.previous_excepthook(exc_type, exc, tb),
+            status,
         )
 
     def thread_excepthook(self, args) -> None:
@@ -203,8 +215,10 @@ class _FailFast:
             return
         name = args.thread.name if args.thread is not None else "?"
         self._fail(
-            f"has an uncaught exception in thread {name!r}", _summary(args.exc_type, args.exc_value),
-            lambda: self.previous_thread_excepthook(args), 1,
+            f"has an uncaught exception in thread {name!r}",
+            _summary(args.exc_type, args.exc_value),
+            lambda: self.previous_thread_excepthook(args),
+            1,
         )
 
     # --- another process failed ----------------------------------------------------------------
@@ -349,9 +363,12 @@ class _FailFast:
         code = 0 if status is None else int(status) if isinstance(status, int) else 1
         if code not in (0, EXIT_PREEMPTED):  # sys.exit("message") exits with status 1
             detail = "" if isinstance(status, int) else f" ({str(status).strip()[:200]})"
-            self.end_job(f"process {self.pid} exited with status {code}{detail}",
-                         f"{self.tag} failed: it called sys.exit({status!r}). Ending the whole job with "
-                         f"status {code} instead of waiting for the other processes; they stop too.", code)
+            self.end_job(
+                f"process {self.pid} exited with status {code}{detail}",
+                f"{self.tag} failed: it called sys.exit({status!r}). Ending the whole job with "
+                f"status {code} instead of waiting for the other processes; they stop too.",
+                code,
+            )
         try:
             self._finish_together()
         finally:
@@ -365,9 +382,16 @@ class _FailFast:
 _installed: list[_FailFast] = []
 
 
-def install_fail_fast(client: Any, process_id: int, num_processes: int, address: str | None = None,
-                      *, finish_timeout_s: float = 120.0, poll_s: float = 1.0,
-                      lost_after_s: float = 10.0) -> None:
+def install_fail_fast(
+    client: Any,
+    process_id: int,
+    num_processes: int,
+    address: str | None = None,
+    *,
+    finish_timeout_s: float = 120.0,
+    poll_s: float = 1.0,
+    lost_after_s: float = 10.0,
+) -> None:
     """Make any failure of this process end the whole job, and a peer's failure end this one.
 
     Installs the exception hooks, the watchdog thread, the interrupt watch (only when called
@@ -413,8 +437,9 @@ def install_fail_fast(client: Any, process_id: int, num_processes: int, address:
             previous = None
         if previous == -1:  # nobody else (asyncio, ...) uses the wakeup fd
             state.wakeup = (reader, writer)  # kept alive with the state
-            threading.Thread(target=state.watch_interrupts, args=(reader,),
-                             name="eqxpar-interrupt-watch", daemon=True).start()
+            threading.Thread(
+                target=state.watch_interrupts, args=(reader,), name="eqxpar-interrupt-watch", daemon=True
+            ).start()
         else:
             if previous is not None:
                 signal.set_wakeup_fd(previous)

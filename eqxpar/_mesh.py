@@ -88,13 +88,9 @@ def make_mesh(
         raise ValueError("make_mesh needs at least one named axis, e.g. make_mesh(data=8).")
     for name, size in axis_sizes.items():
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(
-                f"make_mesh: axis {name!r} has size {size!r}; sizes must be positive integers."
-            )
+            raise ValueError(f"make_mesh: axis {name!r} has size {size!r}; sizes must be positive integers.")
     if axis_type not in _AXIS_TYPES:
-        raise ValueError(
-            f"make_mesh: axis_type must be one of {sorted(_AXIS_TYPES)}, got {axis_type!r}."
-        )
+        raise ValueError(f"make_mesh: axis_type must be one of {sorted(_AXIS_TYPES)}, got {axis_type!r}.")
     pool = list(jax.devices() if devices is None else devices)
     need = math.prod(axis_sizes.values())
     if need > len(pool):
@@ -169,9 +165,9 @@ def fit_mesh(
     device every axis has size 1.
 
     ```python
-    fit_mesh({"data": 2, "model": 4}, 8)                          # {"data": 2, "model": 4}
-    fit_mesh({"data": 2, "model": 4}, 1)                          # {"data": 1, "model": 1}
-    fit_mesh({"data": 2, "model": 4}, 16, divides={"model": 4})   # {"data": 4, "model": 4}
+    fit_mesh({"data": 2, "model": 4}, 8)  # {"data": 2, "model": 4}
+    fit_mesh({"data": 2, "model": 4}, 1)  # {"data": 1, "model": 1}
+    fit_mesh({"data": 2, "model": 4}, 16, divides={"model": 4})  # {"data": 4, "model": 4}
     ```
 
     **Arguments:**
@@ -204,9 +200,7 @@ def fit_mesh(
     if n < 1:
         raise ValueError(f"fit_mesh: num_devices must be at least 1, got {n}.")
     names = list(preferred)
-    options = [
-        [s for s in range(1, min(n, divides.get(a, n)) + 1) if divides.get(a, s) % s == 0] for a in names
-    ]
+    options = [[s for s in range(1, min(n, divides.get(a, n)) + 1) if divides.get(a, s) % s == 0] for a in names]
 
     def distance(sizes: tuple[int, ...]) -> float:
         return sum(abs(math.log2(s / preferred[a])) for a, s in zip(names, sizes))

@@ -25,8 +25,7 @@ def split_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not host:
         raise ValueError(
-            f"coordinator address {address!r} is not of the form host:port (e.g. "
-            f"'127.0.0.1:1234' or 'node001:1234')."
+            f"coordinator address {address!r} is not of the form host:port (e.g. '127.0.0.1:1234' or 'node001:1234')."
         )
     try:
         port_number = int(port)
@@ -93,7 +92,8 @@ def check_port_free(bind: str, launched: bool, who: str = "eqxpar.distributed.in
             how = (
                 "pass another one with `python -m eqxpar.launch --port N`, or leave --port out "
                 "and the launcher picks a free one"
-                if launched else "give coordinator_address another port (one nothing listens on)"
+                if launched
+                else "give coordinator_address another port (one nothing listens on)"
             )
             raise ValueError(
                 f"{who}: the coordinator port {port} is already in use "
@@ -123,9 +123,16 @@ def wait_for_coordinator(address: str, timeout_s: float, process_id: int) -> Non
             time.sleep(0.2)
 
 
-def connect(address: str | None, num_processes: int | None, process_id: int | None,
-             method: str | None, timeout_s: float, heartbeat_timeout_s: float,
-             shutdown_timeout_s: float, bind: str | None = None) -> None:
+def connect(
+    address: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+    method: str | None,
+    timeout_s: float,
+    heartbeat_timeout_s: float,
+    shutdown_timeout_s: float,
+    bind: str | None = None,
+) -> None:
     """jax.distributed.initialize with a timeout that raises instead of aborting the process.
 
     JAX aborts the whole process (a fatal C++ log message) when not every process connects

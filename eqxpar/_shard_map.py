@@ -176,9 +176,7 @@ def _check_explicit_placement(leaf, spec: PartitionSpec, mesh: Mesh, where: str)
     have = getattr(sharding, "spec", None) or PartitionSpec()
     want = NamedSharding(mesh, spec)
     ndim = len(leaf.shape)
-    if tuple(want.spec) + (None,) * (ndim - len(want.spec)) != tuple(have) + (None,) * (
-        ndim - len(have)
-    ):
+    if tuple(want.spec) + (None,) * (ndim - len(want.spec)) != tuple(have) + (None,) * (ndim - len(have)):
         raise ValueError(
             f"{where}: the mesh has Explicit axes, so the input must already be laid out as "
             f"{spec}, but it is laid out as {have}. Place it first with "
@@ -197,7 +195,9 @@ def _check_out_specs(out_specs: PyTree, mesh: Mesh) -> tuple[PyTree, PyTree]:
     for path, spec in jax.tree_util.tree_flatten_with_path(out_specs, is_leaf=is_spec)[0]:
         if isinstance(spec, PartitionSpec):
             # A shape every spec divides: only the axis names and their repeats are checked.
-            validate_spec(spec, (mesh.size,) * len(spec), mesh, where=f"filter_shard_map: out_specs at {path_str(path)}")
+            validate_spec(
+                spec, (mesh.size,) * len(spec), mesh, where=f"filter_shard_map: out_specs at {path_str(path)}"
+            )
     jax_out_specs = jax.tree.map(lambda s: s if isinstance(s, PartitionSpec) else PartitionSpec(), out_specs)
     return out_specs, jax_out_specs
 

@@ -148,8 +148,7 @@ class ShardingReport:
     def __str__(self) -> str:
         head = ("path", "shape", "dtype", "spec", "bytes/device", "total bytes")
         body = [
-            (r.path, str(r.shape), r.dtype, r.spec, f"{r.bytes_per_device:,}", f"{r.bytes_total:,}")
-            for r in self.rows
+            (r.path, str(r.shape), r.dtype, r.spec, f"{r.bytes_per_device:,}", f"{r.bytes_total:,}") for r in self.rows
         ]
         body.append(("TOTAL", "", "", "", f"{self.bytes_per_device:,}", f"{self.bytes_total:,}"))
         widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]

@@ -78,9 +78,7 @@ def entry_axes(entry) -> tuple[str, ...]:
     return (entry,)
 
 
-def validate_spec(
-    spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh, *, where: str
-) -> None:
+def validate_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh, *, where: str) -> None:
     """Check that `spec` can split an array of `shape` over `mesh`.
 
     **Arguments:**
@@ -163,8 +161,16 @@ def check_axes(mesh: Any, axes: Any, *, who: str, arg: str, role: str) -> int:
       or a tuple of names, names an axis twice, or names an axis the mesh lacks.
     """
     if not isinstance(mesh, Mesh):
-        raise ValueError(f"{who}: mesh must be a jax.sharding.Mesh (e.g. eqxpar.make_mesh(data=8)), got {type(mesh).__name__}.")
-    names = () if isinstance(axes, (bytes, type(None))) else axis_names(axes) if isinstance(axes, (str, tuple, list)) else ()
+        raise ValueError(
+            f"{who}: mesh must be a jax.sharding.Mesh (e.g. eqxpar.make_mesh(data=8)), got {type(mesh).__name__}."
+        )
+    names = (
+        ()
+        if isinstance(axes, (bytes, type(None)))
+        else axis_names(axes)
+        if isinstance(axes, (str, tuple, list))
+        else ()
+    )
     if not names or not all(isinstance(n, str) for n in names):
         raise ValueError(f"{who}: {arg} must be a mesh axis name or a tuple of names, got {axes!r}.")
     if len(set(names)) != len(names):

@@ -69,7 +69,7 @@ class Watchdog:
     """Ends the job, with every rank's stack printed, when no step finishes within `timeout_s`.
 
     ```python
-    watchdog = eqxpar.distributed.Watchdog(600)   # after eqxpar.distributed.initialize()
+    watchdog = eqxpar.distributed.Watchdog(600)  # after eqxpar.distributed.initialize()
     for step in range(steps):
         state = train_step(state, batch(step))
         watchdog.step_finished(step + 1)
@@ -95,9 +95,7 @@ class Watchdog:
 
     def __init__(self, timeout_s: float):
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-            raise ValueError(
-                f"Watchdog: timeout_s must be a positive number of seconds, got {timeout_s!r}."
-            )
+            raise ValueError(f"Watchdog: timeout_s must be a positive number of seconds, got {timeout_s!r}.")
         self.timeout_s = float(timeout_s)
         self.last_step: int | None = None
         self.last_time = self.started = time.monotonic()
@@ -147,12 +145,14 @@ class Watchdog:
 
     def _fire(self) -> None:
         ago = time.monotonic() - self.last_time
-        last = (f"the last, step {self.last_step}, finished {ago:.0f} s ago" if self.last_step is not None
-                else f"none since the watchdog started {ago:.0f} s ago")
+        last = (
+            f"the last, step {self.last_step}, finished {ago:.0f} s ago"
+            if self.last_step is not None
+            else f"none since the watchdog started {ago:.0f} s ago"
+        )
         index, count = jax.process_index(), jax.process_count()
         tag = f"eqxpar: process {index} of {count}"
-        reason = (f"process {index} {STALL_MARK}: no training step finished in {self.timeout_s:g} s "
-                  f"({last})")
+        reason = f"process {index} {STALL_MARK}: no training step finished in {self.timeout_s:g} s ({last})"
         sys.stderr.write(
             f"{tag}: watchdog: no training step finished in {self.timeout_s:g} s ({last}). It, or a "
             f"process it waits for in a collective, is stuck; the stacks follow, then the job ends.\n"
@@ -160,9 +160,15 @@ class Watchdog:
         dump_stacks(tag)
         state = _installed[0] if _installed else None
         if state is not None:
-            state.end_job(reason, f"{tag} failed: {reason}. Ending the whole job: the other processes "
-                          f"print their stacks and stop too.", 1, wait_all=True)  # does not return
-        sys.stderr.write(f"{tag}: watchdog: ending the process with status 1. If steps are "
-                         f"legitimately this slow, raise the timeout (--watchdog-s).\n")
+            state.end_job(
+                reason,
+                f"{tag} failed: {reason}. Ending the whole job: the other processes print their stacks and stop too.",
+                1,
+                wait_all=True,
+            )  # does not return
+        sys.stderr.write(
+            f"{tag}: watchdog: ending the process with status 1. If steps are "
+            f"legitimately this slow, raise the timeout (--watchdog-s).\n"
+        )
         _flush()
         os._exit(1)

@@ -202,8 +202,11 @@ def initialize(
     - `TimeoutError` if the coordinator cannot be reached, or not every process connects,
       within `timeout_s`.
     """
-    for name, value in (("timeout_s", timeout_s), ("heartbeat_timeout_s", heartbeat_timeout_s),
-                        ("shutdown_timeout_s", shutdown_timeout_s)):
+    for name, value in (
+        ("timeout_s", timeout_s),
+        ("heartbeat_timeout_s", heartbeat_timeout_s),
+        ("shutdown_timeout_s", shutdown_timeout_s),
+    ):
         if not value > 0:
             raise ValueError(f"initialize: {name} must be positive, got {value}.")
     for name, value in (("num_processes", num_processes), ("process_id", process_id), ("cpu_devices", cpu_devices)):
@@ -295,14 +298,13 @@ def initialize(
         wait_for_coordinator(address, timeout_s, pid)
     connect(address, count, pid, method, timeout_s, heartbeat_timeout_s, shutdown_timeout_s, bind)
     if fail_fast:
-        install_fail_fast(distributed_client(), jax.process_index(), jax.process_count(), address,
-                          finish_timeout_s=shutdown_timeout_s)
+        install_fail_fast(
+            distributed_client(), jax.process_index(), jax.process_count(), address, finish_timeout_s=shutdown_timeout_s
+        )
 
     info = _process_info(address, source)
     if count is not None and info.num_processes != count:
-        raise ValueError(
-            f"initialize: expected {count} processes but JAX reports {info.num_processes}."
-        )
+        raise ValueError(f"initialize: expected {count} processes but JAX reports {info.num_processes}.")
     per_process = Counter(d.process_index for d in jax.devices())
     if len(set(per_process.values())) > 1:
         listing = ", ".join(f"process {p}: {n}" for p, n in sorted(per_process.items()))

@@ -65,6 +65,8 @@ class _Tail(deque):
     """A rank's last lines, and the line naming its failure, if it printed one."""
 
     failure: str | None = None
+
+
 # After a rank exits with EXIT_PEER_FAILED, how long to wait for the rank that caused it.
 _CAUSE_WAIT_S = 5.0
 
@@ -262,20 +264,26 @@ def launch(
 
     for rank in range(nproc):
         env = dict(os.environ)
-        env.update({
-            ENV_COORDINATOR_ADDRESS: address,
-            ENV_NUM_PROCESSES: str(nproc),
-            ENV_PROCESS_ID: str(rank),
-            "PYTHONUNBUFFERED": "1",  # lines reach us as they are printed
-        })
+        env.update(
+            {
+                ENV_COORDINATOR_ADDRESS: address,
+                ENV_NUM_PROCESSES: str(nproc),
+                ENV_PROCESS_ID: str(rank),
+                "PYTHONUNBUFFERED": "1",  # lines reach us as they are printed
+            }
+        )
         if devices_per_proc is not None:
             env[ENV_DEVICES_PER_PROCESS] = str(devices_per_proc)
             # Simulated CPU devices are the point of this launcher; on a machine with
             # accelerators every process would otherwise grab all of them.
             env.setdefault("JAX_PLATFORMS", "cpu")
         p = subprocess.Popen(
-            list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL, start_new_session=True,  # its own process group
+            list(command),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group
             preexec_fn=die_with_launcher,  # and gone if the launcher is killed
         )
         procs.append(p)
@@ -322,8 +330,10 @@ def launch(
                 break
             if interrupted:
                 if interrupted[0] == signal.SIGTERM:
-                    note(f"received SIGTERM; passing it on: the ranks get {max(grace_s, term_grace_s):g} s "
-                         f"to save a checkpoint and exit.")
+                    note(
+                        f"received SIGTERM; passing it on: the ranks get {max(grace_s, term_grace_s):g} s "
+                        f"to save a checkpoint and exit."
+                    )
                 else:
                     note(f"received {signal.Signals(interrupted[0]).name}; stopping all processes.")
                 status = 128 + interrupted[0]
@@ -368,13 +378,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Run a script as N processes of one JAX job on this machine.",
     )
     parser.add_argument("--nproc", type=int, required=True, help="number of processes")
-    parser.add_argument("--devices-per-proc", type=int, default=None,
-                        help="simulated CPU devices per process (overrides the script's --devices)")
+    parser.add_argument(
+        "--devices-per-proc",
+        type=int,
+        default=None,
+        help="simulated CPU devices per process (overrides the script's --devices)",
+    )
     parser.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
-    parser.add_argument("--grace-s", type=float, default=5.0,
-                        help="after a failure, seconds between SIGTERM and SIGKILL for the others")
-    parser.add_argument("--term-grace-s", type=float, default=60.0,
-                        help="on SIGTERM, seconds the ranks get to save a checkpoint and exit before SIGKILL")
+    parser.add_argument(
+        "--grace-s", type=float, default=5.0, help="after a failure, seconds between SIGTERM and SIGKILL for the others"
+    )
+    parser.add_argument(
+        "--term-grace-s",
+        type=float,
+        default=60.0,
+        help="on SIGTERM, seconds the ranks get to save a checkpoint and exit before SIGKILL",
+    )
     parser.add_argument("--timeout-s", type=float, default=None, help="stop the job after this many seconds")
     parser.add_argument("--show-gloo", action="store_true", help="keep gloo's connection messages")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -398,8 +417,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = [sys.executable, *rest]
     try:
         return launch(
-            command, nproc=args.nproc, devices_per_proc=args.devices_per_proc, port=args.port,
-            grace_s=args.grace_s, term_grace_s=args.term_grace_s, timeout_s=args.timeout_s, show_gloo=args.show_gloo,
+            command,
+            nproc=args.nproc,
+            devices_per_proc=args.devices_per_proc,
+            port=args.port,
+            grace_s=args.grace_s,
+            term_grace_s=args.term_grace_s,
+            timeout_s=args.timeout_s,
+            show_gloo=args.show_gloo,
         )
     except ValueError as e:
         parser.error(str(e))

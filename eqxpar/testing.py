@@ -347,6 +347,7 @@ def check_parallel_parity(
         return eqx.apply_updates(model, updates), opt_state, loss, grads
 
     device = jax.devices()[0]
+
     def put(tree):
         return jax.tree.map(lambda x: jax.device_put(x, device) if eqx.is_array(x) else x, tree)
 
@@ -394,13 +395,23 @@ def check_parallel_parity(
     scalars = {f"loss at step {i}": (a, e) for i, (a, e) in enumerate(zip(losses, dense_losses))}
     scalars["grad norm"] = (grad_norm, dense_norm)
     sections = {
-        "loss": [(what, *_leaf_errors([np.float32(a)], [np.float32(e)], rtol, atol)[0][1:]) for what, (a, e) in scalars.items()],
-        "gradients": _leaf_errors(dense_form(grads, parallel_model), dense_arrays(dense_grads, dense_model), rtol, atol),
+        "loss": [
+            (what, *_leaf_errors([np.float32(a)], [np.float32(e)], rtol, atol)[0][1:])
+            for what, (a, e) in scalars.items()
+        ],
+        "gradients": _leaf_errors(
+            dense_form(grads, parallel_model), dense_arrays(dense_grads, dense_model), rtol, atol
+        ),
         "parameters": _leaf_errors(
-            eqx.filter(to_dense(gather(model)), eqx.is_inexact_array), eqx.filter(dense_after, eqx.is_inexact_array), rtol, atol
+            eqx.filter(to_dense(gather(model)), eqx.is_inexact_array),
+            eqx.filter(dense_after, eqx.is_inexact_array),
+            rtol,
+            atol,
         ),
     }
-    failures = [f"  {what} {path}: {detail}" for what, rows in sections.items() for path, _, ok, detail in rows if not ok]
+    failures = [
+        f"  {what} {path}: {detail}" for what, rows in sections.items() for path, _, ok, detail in rows if not ok
+    ]
     if any(not ok for *_, ok, _ in sections["parameters"]) and all(ok for *_, ok, _ in sections["gradients"]):
         failures.append(
             "  (the gradients agree: parameters that still differ usually have gradients that are "
@@ -414,5 +425,7 @@ def check_parallel_parity(
             + "\n".join(failures[:40])
             + ("\n  ..." if len(failures) > 40 else "")
         )
-    worst = {what: max(((used, path) for path, used, _, _ in rows), default=(0.0, "")) for what, rows in sections.items()}
+    worst = {
+        what: max(((used, path) for path, used, _, _ in rows), default=(0.0, "")) for what, rows in sections.items()
+    }
     return ParityReport(tuple(losses), tuple(dense_losses), grad_norm, dense_norm, worst, len(sections["parameters"]))

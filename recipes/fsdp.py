@@ -44,7 +44,9 @@ from eqxpar.train import fsdp_specs, fsdp_step
 @dataclasses.dataclass
 class Config(eqxpar.recipe.CheckpointFlags, eqxpar.recipe.LogFlags):  # + checkpoint flags, --log-dir, --log-every
     devices: int = 8  # simulated CPU devices when there is no accelerator
-    mesh: str = "auto"  # state and batch over `fsdp`, optionally layers over `model` (fsdp=2,model=4); auto: fit the devices
+    mesh: str = (
+        "auto"  # state and batch over `fsdp`, optionally layers over `model` (fsdp=2,model=4); auto: fit the devices
+    )
     steps: int = 400  # training steps
     batch_size: int = 32  # the global batch: sequences per step
     context: int = 64  # characters the model sees
@@ -71,7 +73,9 @@ def check_flags(cfg: Config) -> Config:
         raise ValueError(f"--dim {cfg.dim} is not divisible by --heads {cfg.heads}: every head needs the same width.")
     eqxpar.simulate_cpu_devices(cfg.devices)  # before JAX touches a backend
     sizes = eqxpar.recipe.mesh_from_flag(
-        cfg.mesh, {"fsdp": 8, "model": 1}, optional=("model",),
+        cfg.mesh,
+        {"fsdp": 8, "model": 1},
+        optional=("model",),
         divides={"fsdp": {"--batch-size": cfg.batch_size}, "model": {"--heads": cfg.heads}},
     )
     return dataclasses.replace(cfg, mesh=eqxpar.recipe.mesh_text(sizes))
@@ -98,8 +102,15 @@ def main(argv=None) -> dict:
     # --- Model and where it lives: every weight split over `fsdp` (on top of `model`). ---
     model_key, train_key, _ = jax.random.split(jax.random.key(cfg.seed), 3)  # as hybrid_gpt.py
     model = GPT(
-        text.vocab_size, cfg.context, cfg.dim, cfg.heads, cfg.layers, axis_name="model", key=model_key,
-        attention_impl=cfg.attention, scan_layers=cfg.scan_layers,
+        text.vocab_size,
+        cfg.context,
+        cfg.dim,
+        cfg.heads,
+        cfg.layers,
+        axis_name="model",
+        key=model_key,
+        attention_impl=cfg.attention,
+        scan_layers=cfg.scan_layers,
     )
     flops_per_token = eqxpar.models.gpt_flops_per_token(model)  # 6 N + attention, forward and backward
     layer_specs = eqxpar.nn.partition_specs(model, mesh)  # the tensor-parallel split over `model`
@@ -113,13 +124,23 @@ def main(argv=None) -> dict:
     def loss_fn(model, tokens, key):
         return next_token_loss(model, tokens, key=key)
 
-    step = fsdp_step(loss_fn, optimizer, mesh, param_specs=specs, batch_axis="fsdp", units=lambda m: m.blocks, remat=cfg.remat,
-                     precision=eqxpar.train.Precision(compute_dtype=jnp.bfloat16 if cfg.dtype == "bfloat16" else None))
+    step = fsdp_step(
+        loss_fn,
+        optimizer,
+        mesh,
+        param_specs=specs,
+        batch_axis="fsdp",
+        units=lambda m: m.blocks,
+        remat=cfg.remat,
+        precision=eqxpar.train.Precision(compute_dtype=jnp.bfloat16 if cfg.dtype == "bfloat16" else None),
+    )
     model, opt_state = step.init(model)  # each device keeps its slices of both
     stored = eqxpar.sharding_report((model, opt_state))
     if eqxpar.recipe.is_main_process():
         print(eqxpar.sharding_report(model))
-        print(f"\nparameters + optimizer state: {stored.bytes_per_device:,} of {stored.bytes_total:,} bytes per device\n")
+        print(
+            f"\nparameters + optimizer state: {stored.bytes_per_device:,} of {stored.bytes_total:,} bytes per device\n"
+        )
 
     def batch(i: int):
         tokens = text_windows(train_ids, cfg.batch_size, cfg.context, seed=cfg.seed, step=i)

@@ -70,7 +70,9 @@ def check_flags(cfg: Config) -> Config:
     # The data axis splits the batch (every replica the same number of sequences), the
     # model axis the layers (every device the same number of heads).
     sizes = eqxpar.recipe.mesh_from_flag(
-        cfg.mesh, {"data": 2, "model": 4}, divides={"data": {"--batch-size": cfg.batch_size}, "model": {"--heads": cfg.heads}}
+        cfg.mesh,
+        {"data": 2, "model": 4},
+        divides={"data": {"--batch-size": cfg.batch_size}, "model": {"--heads": cfg.heads}},
     )
     return dataclasses.replace(cfg, mesh=eqxpar.recipe.mesh_text(sizes))
 
@@ -95,8 +97,16 @@ def main(argv=None) -> dict:
     # --- Model: built whole from the seed, then split over `model` by its spec tree. ---
     model_key, train_key, sample_key = jax.random.split(jax.random.key(cfg.seed), 3)
     model = GPT(
-        text.vocab_size, cfg.context, cfg.dim, cfg.heads, cfg.layers, axis_name="model", key=model_key,
-        attention_impl=cfg.attention, scan_layers=cfg.scan_layers, remat=cfg.remat,
+        text.vocab_size,
+        cfg.context,
+        cfg.dim,
+        cfg.heads,
+        cfg.layers,
+        axis_name="model",
+        key=model_key,
+        attention_impl=cfg.attention,
+        scan_layers=cfg.scan_layers,
+        remat=cfg.remat,
     )
     specs = eqxpar.nn.partition_specs(model, mesh)  # checks that heads, widths and vocab divide
     flops_per_token = eqxpar.models.gpt_flops_per_token(model)  # 6 N + attention, forward and backward
@@ -114,7 +124,9 @@ def main(argv=None) -> dict:
 
     # Mixed precision: bfloat16 matmuls on float32 master weights; the loss and the
     # gradient sums stay float32.
-    step = hybrid_step(loss_fn, optimizer, mesh, param_specs=specs, batch_axis="data", model_axis="model", precision=cfg.precision())
+    step = hybrid_step(
+        loss_fn, optimizer, mesh, param_specs=specs, batch_axis="data", model_axis="model", precision=cfg.precision()
+    )
     model, opt_state = step.init(model)  # the model split by `specs`, AdamW's state beside it
 
     def batch(i: int):
@@ -160,8 +172,12 @@ def main(argv=None) -> dict:
     sample = ""
     if cfg.sample_chars > 0:
         ids = generate(
-            whole_logits(model, mesh, specs), text.encode("def "), cfg.sample_chars,
-            context_length=cfg.context, key=sample_key, temperature=0.8,
+            whole_logits(model, mesh, specs),
+            text.encode("def "),
+            cfg.sample_chars,
+            context_length=cfg.context,
+            key=sample_key,
+            temperature=0.8,
         )
         sample = text.decode(ids)
 

@@ -80,12 +80,18 @@ def check_flags(cfg: Config) -> Config:
     eqxpar.simulate_cpu_devices(cfg.devices)  # before JAX touches a backend
     # The zigzag layout cuts each sequence into 2 x context chunks.
     sizes = eqxpar.recipe.mesh_from_flag(
-        cfg.mesh, {"data": 2, "context": 2, "model": 2},
-        divides={"data": {"--batch-size": cfg.batch_size}, "context": {"--seq-len / 2": cfg.seq_len // 2},
-                 "model": {"--heads": cfg.heads}},
+        cfg.mesh,
+        {"data": 2, "context": 2, "model": 2},
+        divides={
+            "data": {"--batch-size": cfg.batch_size},
+            "context": {"--seq-len / 2": cfg.seq_len // 2},
+            "model": {"--heads": cfg.heads},
+        },
     )
     if cfg.seq_len % (2 * sizes["context"]):
-        raise ValueError(f"--seq-len {cfg.seq_len} is not divisible by 2 x context={sizes['context']} (the zigzag chunks).")
+        raise ValueError(
+            f"--seq-len {cfg.seq_len} is not divisible by 2 x context={sizes['context']} (the zigzag chunks)."
+        )
     if cfg.sequence_parallel and (cfg.seq_len // sizes["context"]) % sizes["model"]:
         raise ValueError(
             f"--sequence-parallel splits the {cfg.seq_len // sizes['context']} positions per context shard over "
@@ -120,9 +126,17 @@ def main(argv=None) -> dict:
     # --- Model: the GPT, its attention over the context axis (positions follow the layout). ---
     model_key = jax.random.split(jax.random.key(cfg.seed))[0]
     model = GPT(
-        text.vocab_size, cfg.seq_len, cfg.dim, cfg.heads, cfg.layers, axis_name="model",
-        attention_impl=cfg.attention, sequence_parallel=cfg.sequence_parallel, remat=cfg.remat,
-        scan_layers=cfg.scan_layers, key=model_key,
+        text.vocab_size,
+        cfg.seq_len,
+        cfg.dim,
+        cfg.heads,
+        cfg.layers,
+        axis_name="model",
+        attention_impl=cfg.attention,
+        sequence_parallel=cfg.sequence_parallel,
+        remat=cfg.remat,
+        scan_layers=cfg.scan_layers,
+        key=model_key,
     )
 
     def loss_fn(model, batch, key=None):
@@ -153,11 +167,23 @@ def main(argv=None) -> dict:
     theory = (
         data_parallel_theory(model, mesh, eqxpar.nn.partition_specs(model, mesh), batch_axis=("data", "context"))
         + gpt_tensor_parallel_theory(
-            model, mesh, cfg.batch_size, cfg.seq_len, batch_axis="data", context_axis="context", remat=cfg.remat != "none"
+            model,
+            mesh,
+            cfg.batch_size,
+            cfg.seq_len,
+            batch_axis="data",
+            context_axis="context",
+            remat=cfg.remat != "none",
         )
         + context_parallel_theory(
-            mesh, batch=cfg.batch_size, seq_len=cfg.seq_len, num_heads=cfg.heads, head_dim=cfg.dim // cfg.heads,
-            num_layers=cfg.layers, mode=cfg.attention, model_axis="model",
+            mesh,
+            batch=cfg.batch_size,
+            seq_len=cfg.seq_len,
+            num_heads=cfg.heads,
+            head_dim=cfg.dim // cfg.heads,
+            num_layers=cfg.layers,
+            mode=cfg.attention,
+            model_axis="model",
             remat=cfg.remat != "none",
         )
     )
@@ -183,8 +209,10 @@ def main(argv=None) -> dict:
 
     # --- Training loop. --log-dir: metrics every --log-every steps, TensorBoard, config.json. ---
     run_log = eqxpar.recipe.RunLog.from_config(
-        cfg, items_per_step=cfg.batch_size * cfg.seq_len,
-        flops_per_item=eqxpar.models.gpt_flops_per_token(model), n_devices=mesh.size,
+        cfg,
+        items_per_step=cfg.batch_size * cfg.seq_len,
+        flops_per_item=eqxpar.models.gpt_flops_per_token(model),
+        n_devices=mesh.size,
     )
     steps = eqxpar.recipe.steps_to_run(first_step, cfg.steps)  # none left: says so
     bar = eqxpar.recipe.progress(steps, desc=f"long context {cfg.mesh} {cfg.attention}")

@@ -66,21 +66,29 @@ def check_flags(cfg: Config) -> Config:
     """Every check of the flags, before anything compiles."""
     if cfg.schedule not in SCHEDULES:
         raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}.")
-    eqxpar.recipe.require_positive(cfg, "steps", "batch_size", "context", "dim", "heads", "layers", "microbatches", "virtual_stages")
+    eqxpar.recipe.require_positive(
+        cfg, "steps", "batch_size", "context", "dim", "heads", "layers", "microbatches", "virtual_stages"
+    )
     if cfg.dim % cfg.heads:
         raise ValueError(f"--dim {cfg.dim} is not divisible by --heads {cfg.heads}.")
     eqxpar.simulate_cpu_devices(cfg.devices)
     divides = {"stage": {"--layers": cfg.layers}}
     if cfg.batch_size % cfg.microbatches == 0:
         divides["data"] = {"--batch-size / --microbatches": cfg.batch_size // cfg.microbatches}
-    sizes = eqxpar.recipe.mesh_from_flag(cfg.mesh, {"stage": 4, "data": 2, "model": 1}, divides=divides, optional=("model",))
+    sizes = eqxpar.recipe.mesh_from_flag(
+        cfg.mesh, {"stage": 4, "data": 2, "model": 1}, divides=divides, optional=("model",)
+    )
     sizes = {**sizes, "model": sizes.get("model", 1)}  # the GPT's layers name a model axis
     r = cfg.virtual_stages if cfg.schedule == "circular" else 1
     stages, data = sizes["stage"], sizes["data"]
     if cfg.layers % (stages * r):
-        raise ValueError(f"--layers {cfg.layers} does not split into {stages} stages x {r} chunks; use a multiple of {stages * r}.")
+        raise ValueError(
+            f"--layers {cfg.layers} does not split into {stages} stages x {r} chunks; use a multiple of {stages * r}."
+        )
     if cfg.batch_size % (data * cfg.microbatches):
-        raise ValueError(f"--batch-size {cfg.batch_size} is not divisible by data={data} x --microbatches {cfg.microbatches}.")
+        raise ValueError(
+            f"--batch-size {cfg.batch_size} is not divisible by data={data} x --microbatches {cfg.microbatches}."
+        )
     if cfg.schedule == "circular" and r > 1 and cfg.microbatches % stages:
         raise ValueError(
             f"--schedule circular sends micro-batches round in groups of {stages}: "
@@ -106,13 +114,23 @@ def main(argv=None) -> dict:
     # which the pipeline splits over `stage`.
     model = GPT(text.vocab_size, cfg.context, cfg.dim, cfg.heads, cfg.layers, scan_layers=True, key=model_key)
     # Embedding first, blocks in the middle, final norm + head + loss last.
-    step = pipeline_step(gpt_stages(), optax.adamw(cfg.learning_rate), mesh, batch_axis="data", stage_axis="stage",
-                         schedule=cfg.schedule, microbatches=M, virtual_stages=r,
-                         remat=cfg.remat and cfg.schedule != "1f1b")
+    step = pipeline_step(
+        gpt_stages(),
+        optax.adamw(cfg.learning_rate),
+        mesh,
+        batch_axis="data",
+        stage_axis="stage",
+        schedule=cfg.schedule,
+        microbatches=M,
+        virtual_stages=r,
+        remat=cfg.remat and cfg.schedule != "1f1b",
+    )
     model, opt_state = step.init(model)
 
     def batch(i):
-        return shard_batch(text_windows(train_ids, cfg.batch_size, cfg.context, seed=cfg.seed, step=i), mesh, batch_axis="data")
+        return shard_batch(
+            text_windows(train_ids, cfg.batch_size, cfg.context, seed=cfg.seed, step=i), mesh, batch_axis="data"
+        )
 
     # --- Theory and measurement, from the compiled program. ---
     lowered = step.lower(model, opt_state, batch(0))
@@ -138,7 +156,9 @@ def main(argv=None) -> dict:
     )
     if eqxpar.recipe.is_main_process():
         print(f"mesh {cfg.mesh}, schedule {cfg.schedule}, M={M} micro-batches" + (f", r={r}" if r > 1 else ""))
-        print(table.text() if table.ticks <= 48 else f"({table.ticks} ticks; use fewer --microbatches to see the table)")
+        print(
+            table.text() if table.ticks <= 48 else f"({table.ticks} ticks; use fewer --microbatches to see the table)"
+        )
         formula = f"(P-1)/({'r*' if r > 1 else ''}M+P-1)"
         print(f"bubble {bubble:.4f} (formula {formula} = {bubble_theory(cfg.schedule, P, M, r):.4f})")
         print(
@@ -154,8 +174,10 @@ def main(argv=None) -> dict:
 
     # --log-dir: metrics every --log-every steps, TensorBoard events, config.json.
     run_log = eqxpar.recipe.RunLog.from_config(
-        cfg, items_per_step=cfg.batch_size * cfg.context,
-        flops_per_item=eqxpar.models.gpt_flops_per_token(model), n_devices=mesh.size,
+        cfg,
+        items_per_step=cfg.batch_size * cfg.context,
+        flops_per_item=eqxpar.models.gpt_flops_per_token(model),
+        n_devices=mesh.size,
     )
     # --- Checkpoints (--checkpoint-dir, --checkpoint-every, --resume): the model and optimizer
     # state as the loop carries them (stacked layers split over `stage`), and the loss history.

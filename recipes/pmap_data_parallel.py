@@ -125,9 +125,7 @@ def shard_map_predict(mesh, params, batch):
     output is one global `[batch, classes]` array, split over `data`.
     """
     (axis,) = mesh.axis_names
-    return eqxpar.filter_shard_map(predict, mesh=mesh, in_specs=(P(), P(axis)), out_specs=P(axis))(
-        params, batch
-    )
+    return eqxpar.filter_shard_map(predict, mesh=mesh, in_specs=(P(), P(axis)), out_specs=P(axis))(params, batch)
 
 
 @eqx.filter_jit
@@ -178,8 +176,10 @@ def main(argv=None) -> dict:
     batch = global_batch(mesh.size, cfg.per_device_batch)
     num_classes = 10
     params = init_params(jax.random.key(cfg.seed), batch.shape[1], num_classes)
-    print(f"{mesh.size} devices x {cfg.per_device_batch} examples = global batch {batch.shape}; "
-          f"params w {params['w'].shape}, b {params['b'].shape}")
+    print(
+        f"{mesh.size} devices x {cfg.per_device_batch} examples = global batch {batch.shape}; "
+        f"params w {params['w'].shape}, b {params['b'].shape}"
+    )
 
     # Reference: the whole batch on one device.
     reference = on_one_device(predict, params, batch)
@@ -187,11 +187,12 @@ def main(argv=None) -> dict:
 
     stacked, from_pmap = pmap_predict(devices, params, batch)
     # pmap's output is an ordinary jax.Array with a NamedSharding over the 1-D mesh pmap built.
-    print(f"pmap: input reshaped to {(mesh.size, cfg.per_device_batch, batch.shape[1])}, "
-          f"output {stacked.shape} sharded {stacked.sharding.spec}")
+    print(
+        f"pmap: input reshaped to {(mesh.size, cfg.per_device_batch, batch.shape[1])}, "
+        f"output {stacked.shape} sharded {stacked.sharding.spec}"
+    )
     from_shard_map = shard_map_predict(mesh, params, batch)
-    print(f"shard_map: input {batch.shape} as is, output {from_shard_map.shape} "
-          f"sharded {from_shard_map.sharding.spec}")
+    print(f"shard_map: input {batch.shape} as is, output {from_shard_map.shape} sharded {from_shard_map.sharding.spec}")
 
     mean_pmap = pmap_mean_logits(devices, params, batch)
     mean_shard_map = shard_map_mean_logits(mesh, params, batch)
@@ -225,8 +226,10 @@ def main(argv=None) -> dict:
 
     for k, (actual, expected) in results.items():
         assert_trees_close(actual, expected, what=f"{k} vs single device")
-    print(f"pmap_data_parallel: pmap and shard_map on {mesh.size} device(s) match one device "
-          f"on {len(batch)} digits images (max abs error {max(errors.values()):.1e})")
+    print(
+        f"pmap_data_parallel: pmap and shard_map on {mesh.size} device(s) match one device "
+        f"on {len(batch)} digits images (max abs error {max(errors.values()):.1e})"
+    )
     return metrics
 
 

@@ -40,7 +40,9 @@ import eqxpar.recipe
 @dataclasses.dataclass
 class Config:
     devices: int = 8  # simulated CPU devices when there is no accelerator
-    mesh: str = "auto"  # two axes: the 1st splits the 4 rows, the 2nd the 8 columns (e.g. x=2,y=4); auto: fit the devices
+    mesh: str = (
+        "auto"  # two axes: the 1st splits the 4 rows, the 2nd the 8 columns (e.g. x=2,y=4); auto: fit the devices
+    )
     metrics_out: str | None = None  # write the results as JSON here
 
 
@@ -71,8 +73,7 @@ def check_mesh(sizes: dict[str, int]) -> None:
     """Raise a ValueError unless `sizes` has two axes that split the 4x8 array evenly."""
     if len(sizes) != 2:
         raise ValueError(
-            f"sharding_basics: the mesh needs exactly two axes (rows, columns), got {sizes}. "
-            f"Use e.g. --mesh x=2,y=4."
+            f"sharding_basics: the mesh needs exactly two axes (rows, columns), got {sizes}. Use e.g. --mesh x=2,y=4."
         )
     (row_axis, rows), (col_axis, cols) = sizes.items()
     if ROWS % rows or COLS % cols:
@@ -125,8 +126,7 @@ def main(argv=None) -> dict:
 
     # ---- 3. jit of a contraction: the result is partially replicated --------------------
     summed = jax.jit(contract)(arr_sharded)
-    print(f"sum over axis 0: {summed.sharding.spec}, each block held by "
-          f"{replicas_per_block(summed)} device(s)")
+    print(f"sum over axis 0: {summed.sharding.spec}, each block held by {replicas_per_block(summed)} device(s)")
     jax.debug.visualize_array_sharding(summed)
     print(summed)
     # The row axis was summed away, so the devices along it hold the same columns.
@@ -141,8 +141,10 @@ def main(argv=None) -> dict:
         return jax.lax.with_sharding_constraint(out, NamedSharding(mesh, P((row_axis, col_axis))))
 
     constrained = contract_fully_sharded(arr_sharded)
-    print(f"with_sharding_constraint: {constrained.sharding.spec}, each block held by "
-          f"{replicas_per_block(constrained)} device(s)")
+    print(
+        f"with_sharding_constraint: {constrained.sharding.spec}, each block held by "
+        f"{replicas_per_block(constrained)} device(s)"
+    )
     jax.debug.visualize_array_sharding(constrained)
     checks["constrained_fully_sharded"] = replicas_per_block(constrained) == 1
     checks["constrained_values_correct"] = bool(np.array_equal(np.asarray(constrained), host.sum(axis=0)))
@@ -199,8 +201,10 @@ def main(argv=None) -> dict:
     failed = [name for name, ok in checks.items() if not ok]
     if failed:
         raise AssertionError(f"sharding_basics: checks failed: {failed}")
-    print(f"sharding_basics: {len(checks)} checks pass on mesh {dict(mesh.shape)}; "
-          f"psum total {int(total)} = sum(arange(32))")
+    print(
+        f"sharding_basics: {len(checks)} checks pass on mesh {dict(mesh.shape)}; "
+        f"psum total {int(total)} = sum(arange(32))"
+    )
     return metrics
 
 

@@ -73,7 +73,9 @@ def check_flags(cfg: Config) -> Config:
     if cfg.dim % cfg.heads:
         raise ValueError(f"--dim {cfg.dim} is not divisible by --heads {cfg.heads}: every head needs the same width.")
     if not 0 <= cfg.dropout < 1 or cfg.sample_chars < 0:
-        raise ValueError(f"--dropout must be in [0, 1) and --sample-chars at least 0, got {cfg.dropout}, {cfg.sample_chars}.")
+        raise ValueError(
+            f"--dropout must be in [0, 1) and --sample-chars at least 0, got {cfg.dropout}, {cfg.sample_chars}."
+        )
     sizes = eqxpar.recipe.mesh_from_flag(cfg.mesh, {"model": 8}, divides={"model": {"--heads": cfg.heads}})
     return dataclasses.replace(cfg, mesh=eqxpar.recipe.mesh_text(sizes))
 
@@ -95,8 +97,17 @@ def main(argv=None) -> dict:
     mesh = eqxpar.make_mesh(**eqxpar.parse_mesh(cfg.mesh))
     model_key, train_key, sample_key = jax.random.split(jax.random.key(cfg.seed), 3)
     model = GPT(
-        text.vocab_size, cfg.context, cfg.dim, cfg.heads, cfg.layers, dropout_p=cfg.dropout,
-        axis_name="model", key=model_key, attention_impl=cfg.attention, scan_layers=cfg.scan_layers, remat=cfg.remat,
+        text.vocab_size,
+        cfg.context,
+        cfg.dim,
+        cfg.heads,
+        cfg.layers,
+        dropout_p=cfg.dropout,
+        axis_name="model",
+        key=model_key,
+        attention_impl=cfg.attention,
+        scan_layers=cfg.scan_layers,
+        remat=cfg.remat,
     )
     specs = eqxpar.nn.partition_specs(model, mesh)  # checks heads/width/vocab divide
     flops_per_token = eqxpar.models.gpt_flops_per_token(model)  # 6 N + attention, forward and backward
@@ -167,7 +178,9 @@ def main(argv=None) -> dict:
         run_log.maybe_eval(step, val_loss=functools.partial(evaluate, model, val_tokens))
         if step % 10 == 0 or step == cfg.steps - 1:
             bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{throughput.per_second:,.0f}")
-        ckpt.maybe_save(step + 1, (model, opt_state, train_key), data_state={"losses": losses}, force=step + 1 == cfg.steps)
+        ckpt.maybe_save(
+            step + 1, (model, opt_state, train_key), data_state={"losses": losses}, force=step + 1 == cfg.steps
+        )
     ckpt.close()
     run_log.close()
 
@@ -177,12 +190,18 @@ def main(argv=None) -> dict:
     whole_logits = eqx.filter_jit(
         eqxpar.filter_shard_map(
             lambda model, tokens: jax.vmap(functools.partial(model, inference=True))(tokens),
-            mesh=mesh, in_specs=(specs, P()), out_specs=P(None, None, "model"),  # vocab blocks side by side
+            mesh=mesh,
+            in_specs=(specs, P()),
+            out_specs=P(None, None, "model"),  # vocab blocks side by side
         )
     )
     sample = generate(
-        functools.partial(whole_logits, model), text.encode("def "), cfg.sample_chars,
-        context_length=cfg.context, key=sample_key, temperature=0.8,
+        functools.partial(whole_logits, model),
+        text.encode("def "),
+        cfg.sample_chars,
+        context_length=cfg.context,
+        key=sample_key,
+        temperature=0.8,
     )
 
     metrics = {

@@ -163,8 +163,10 @@ def main(argv=None) -> dict:
     cfg = eqxpar.recipe.parse_flags(Config, argv, validate=check_flags)  # bad flags: one line, exit 2
     mesh = eqxpar.make_mesh(**eqxpar.parse_mesh(cfg.mesh))
     x, weights, bias = make_inputs(cfg.seed)
-    print(f"mesh {dict(mesh.shape)} on {mesh.size} of {jax.device_count()} devices; "
-          f"x {x.shape}, W {weights.shape}, b {bias.shape}")
+    print(
+        f"mesh {dict(mesh.shape)} on {mesh.size} of {jax.device_count()} devices; "
+        f"x {x.shape}, W {weights.shape}, b {bias.shape}"
+    )
 
     reference = on_one_device(layer, x, weights, bias)
     results = {name: way(mesh, x, weights, bias) for name, way in WAYS.items()}
@@ -212,8 +214,10 @@ def main(argv=None) -> dict:
     note = ""
     if metrics["matches_tutorial"]:
         note = f"; all reproduce the tutorial's values (max abs error {metrics['max_abs_error_vs_tutorial']:.1e})"
-    print(f"three_ways: jit, with_sharding_constraint and shard_map+psum on {mesh.size} "
-          f"device(s) match one device (max abs error {max(errors.values()):.1e}){note}")
+    print(
+        f"three_ways: jit, with_sharding_constraint and shard_map+psum on {mesh.size} "
+        f"device(s) match one device (max abs error {max(errors.values()):.1e}){note}"
+    )
     return metrics
 
 

@@ -65,7 +65,8 @@ def check_flags(cfg: Config) -> Config:
         raise ValueError(f"--dim {cfg.dim} is not divisible by --heads {cfg.heads}: every head needs the same width.")
     eqxpar.simulate_cpu_devices(cfg.devices)  # before JAX touches a backend
     sizes = eqxpar.recipe.mesh_from_flag(
-        cfg.mesh, {"data": 2, "model": 4},
+        cfg.mesh,
+        {"data": 2, "model": 4},
         divides={"data": {"--batch-size": cfg.batch_size}, "model": {"--heads": cfg.heads, "the vocabulary": 8}},
     )
     return dataclasses.replace(cfg, mesh=eqxpar.recipe.mesh_text(sizes))
@@ -208,8 +209,10 @@ def main(argv=None) -> dict:
             dense, dense_opt, loss = dense_step(dense, dense_opt, batch(i))
             dense_losses.append(float(loss))
     gap = float(np.max(np.abs(np.array(losses) - dense_losses) / np.array(dense_losses)))
-    say(f"auto plan: loss {losses[0]:.4f} -> {losses[-1]:.4f}; dense model on one device "
-        f"{dense_losses[0]:.4f} -> {dense_losses[-1]:.4f}; largest relative gap over {cfg.steps} steps {gap:.1e}")
+    say(
+        f"auto plan: loss {losses[0]:.4f} -> {losses[-1]:.4f}; dense model on one device "
+        f"{dense_losses[0]:.4f} -> {dense_losses[-1]:.4f}; largest relative gap over {cfg.steps} steps {gap:.1e}"
+    )
     # And back: the trained parallel model as a plain Equinox model.
     trained = eqxpar.nn.to_dense(eqxpar.gather(parallel))
     dense_loss = float(eqx.filter_jit(loss_fn)(trained, batch(0)))
@@ -217,19 +220,28 @@ def main(argv=None) -> dict:
 
     # --- Part 2: an explicit plan that also splits the output head. Its logits stay split
     # over `model`, so the loss is the vocabulary-parallel cross-entropy. ---
-    explicit = {"embedding": "vocab", "blocks[*].attention": "attention", "blocks[*].mlp": "mlp", lambda m: m.head: "column"}
+    explicit = {
+        "embedding": "vocab",
+        "blocks[*].attention": "attention",
+        "blocks[*].mlp": "mlp",
+        lambda m: m.head: "column",
+    }
     split, split_plan = eqxpar.nn.parallelize(model, explicit, mesh=mesh, return_plan=True)
     say(f"an explicit plan, with the head split:\n{split_plan}\n")
-    split_parity = eqxpar.testing.check_parallel_parity(model, split, split_head_loss_fn, optax.sgd(0.1), mesh, batch(0))
+    split_parity = eqxpar.testing.check_parallel_parity(
+        model, split, split_head_loss_fn, optax.sgd(0.1), mesh, batch(0)
+    )
     say(f"parity check: {split_parity}\n")
     split, split_losses, split_comm, split_first_step = train(split, split_head_loss_fn, PARTS[1])
     split_gap = float(np.max(np.abs(np.array(split_losses) - dense_losses) / np.array(dense_losses)))
     report = eqxpar.sharding_report(split)
-    say(f"split head: loss {split_losses[0]:.4f} -> {split_losses[-1]:.4f} (largest relative gap to the dense "
+    say(
+        f"split head: loss {split_losses[0]:.4f} -> {split_losses[-1]:.4f} (largest relative gap to the dense "
         f"model {split_gap:.1e}); all-reduce bytes per step {comm.bytes('all-reduce'):,} -> "
         f"{split_comm.bytes('all-reduce'):,}; parameters per device "
         f"{eqxpar.sharding_report(parallel).bytes_per_device:,} "
-        f"-> {report.bytes_per_device:,} of {report.bytes_total:,} bytes")
+        f"-> {report.bytes_per_device:,} of {report.bytes_total:,} bytes"
+    )
 
     metrics = {
         "mesh": cfg.mesh,

@@ -26,7 +26,10 @@ STEP = 3
 # of 4 devices, "data" (the first axis) of data=2,model=4 crosses the processes, and
 # model=8 splits every split array across both processes.
 LAYOUTS = {
-    "data2_model4": ({"data": 2, "model": 4}, {"w": P("data", "model"), "b": P("model"), "h": P(), "count": P(), "key": P()}),
+    "data2_model4": (
+        {"data": 2, "model": 4},
+        {"w": P("data", "model"), "b": P("model"), "h": P(), "count": P(), "key": P()},
+    ),
     "model8": ({"model": 8}, {"w": P(None, "model"), "b": P("model"), "h": P("model"), "count": P(), "key": P()}),
 }
 
@@ -89,7 +92,10 @@ def main(directory: str) -> None:
         }
         if jax.process_index() == 0:
             # Raw bytes (NumPy has no bfloat16 of its own): compared byte for byte by the test.
-            np.savez(f"{directory}/restored_{name}.npz", **{k: np.asarray(v).reshape(-1).view(np.uint8) for k, v in values.items()})
+            np.savez(
+                f"{directory}/restored_{name}.npz",
+                **{k: np.asarray(v).reshape(-1).view(np.uint8) for k, v in values.items()},
+            )
 
     sizes, specs = LAYOUTS["model8"]
     saved = make_state(2, eqxpar.make_mesh(**sizes), specs)

@@ -91,14 +91,18 @@ mesh = eqxpar.make_mesh(data=8)
 sharding = data.batch_sharding(mesh, "data")
 first_rows = source.arrays[0][: BATCH // 2], source.arrays[1][: BATCH // 2]
 # 1. every process loads the same rows (forgot to shard by process): duplicate data shards.
-same_rows = jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x, (BATCH, *x.shape[1:])), first_rows)
+same_rows = jax.tree.map(
+    lambda x: jax.make_array_from_process_local_data(sharding, x, (BATCH, *x.shape[1:])), first_rows
+)
 expect_error("duplicate_shards", lambda: data.check_batch_consistency(same_rows, mesh, "data"))
 # 2. a mesh whose model replicas span the processes, loaded by plain per-process sharding:
 #    the two processes hold the same data shards but load different rows.
 across = eqxpar.make_mesh(model=2, data=4)
 mine = data.global_batch_records(NUM_RECORDS, BATCH, 0, seed=SEED + jax.process_index())
 wrong = jax.tree.map(
-    lambda x: jax.make_array_from_process_local_data(data.batch_sharding(across, "data"), x[mine], (BATCH, *x.shape[1:])),
+    lambda x: jax.make_array_from_process_local_data(
+        data.batch_sharding(across, "data"), x[mine], (BATCH, *x.shape[1:])
+    ),
     source.arrays,
 )
 expect_error("replicas_differ", lambda: data.check_batch_consistency(wrong, across, "data"))

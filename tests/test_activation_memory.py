@@ -53,9 +53,19 @@ class Case:
 
     def gpt(self, layers: int) -> GPT:
         return GPT(
-            VOCAB, SEQ, DIM, HEADS, layers, dropout_p=self.dropout, attention_dropout_p=0.0 if self.context else None,
-            pad_vocab_to_multiple_of=8, attention_impl=self.attention, sequence_parallel=self.sequence_parallel,
-            scan_layers=self.scan_layers, remat=self.remat, key=jax.random.key(2),
+            VOCAB,
+            SEQ,
+            DIM,
+            HEADS,
+            layers,
+            dropout_p=self.dropout,
+            attention_dropout_p=0.0 if self.context else None,
+            pad_vocab_to_multiple_of=8,
+            attention_impl=self.attention,
+            sequence_parallel=self.sequence_parallel,
+            scan_layers=self.scan_layers,
+            remat=self.remat,
+            key=jax.random.key(2),
         )
 
     def mesh(self):
@@ -70,7 +80,11 @@ class Case:
         """What autodiff keeps per device for a GPT of `layers` blocks."""
         mesh = self.mesh()
         step = eqxpar.train.hybrid_step(
-            loss_fn, optax.sgd(0.1), mesh, batch_axis="data", grad_accum=self.grad_accum,
+            loss_fn,
+            optax.sgd(0.1),
+            mesh,
+            batch_axis="data",
+            grad_accum=self.grad_accum,
             context_axis="context" if self.context else None,
         )
         tokens = jnp.zeros((self.batch_size, SEQ), jnp.int32)
@@ -81,7 +95,11 @@ class Case:
 
     def theory(self, layers: int) -> ActivationTheory:
         return gpt_activation_theory(
-            self.gpt(layers), self.mesh(), self.batch_size // self.grad_accum, SEQ, batch_axis="data",
+            self.gpt(layers),
+            self.mesh(),
+            self.batch_size // self.grad_accum,
+            SEQ,
+            batch_axis="data",
             context_axis="context" if self.context else None,
         )
 
@@ -90,11 +108,16 @@ class Case:
 def cases(draw, remat):
     shape = draw(st.sampled_from(SHAPES))
     _, context, model = shape
-    attention = draw(st.sampled_from(("ring", "all_gather") if context > 1 else ("dot_product", "reference", "ring", "all_gather")))
+    attention = draw(
+        st.sampled_from(("ring", "all_gather") if context > 1 else ("dot_product", "reference", "ring", "all_gather"))
+    )
     return Case(
-        shape, attention, draw(remat),
+        shape,
+        attention,
+        draw(remat),
         sequence_parallel=draw(st.booleans()) if (SEQ // context) % model == 0 else False,
-        scan_layers=draw(st.booleans()), dropout=draw(st.sampled_from((0.0, 0.1))),
+        scan_layers=draw(st.booleans()),
+        dropout=draw(st.sampled_from((0.0, 0.1))),
     )
 
 
@@ -181,8 +204,15 @@ def test_bad_arguments_are_value_errors(change, match):
     data, context, model_size = mesh_shape
     mesh = eqxpar.make_mesh(data=data, context=context, model=model_size)
     gpt = GPT(
-        VOCAB, SEQ, DIM, HEADS, 1, pad_vocab_to_multiple_of=8, attention_impl=change.pop("attention", "ring"),
-        sequence_parallel=change.pop("sequence_parallel", False), remat=change.pop("remat", "none"),
+        VOCAB,
+        SEQ,
+        DIM,
+        HEADS,
+        1,
+        pad_vocab_to_multiple_of=8,
+        attention_impl=change.pop("attention", "ring"),
+        sequence_parallel=change.pop("sequence_parallel", False),
+        remat=change.pop("remat", "none"),
         key=jax.random.key(0),
     )
     kwargs = dict(batch_axis="data", context_axis="context")
@@ -209,7 +239,12 @@ def test_fsdp_without_remat_keeps_the_gathered_weights_the_backward_pass_reads()
     saved = {}
     for remat in (False, True):
         step = eqxpar.train.fsdp_step(
-            mse, optax.sgd(0.1), mesh, param_specs=specs, batch_axis="fsdp", remat=remat,
+            mse,
+            optax.sgd(0.1),
+            mesh,
+            param_specs=specs,
+            batch_axis="fsdp",
+            remat=remat,
             units=(lambda m: m.layers) if remat else None,
         )
         saved[remat] = step.saved_activation_bytes(*step.init(mlp), batch)

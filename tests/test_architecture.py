@@ -39,10 +39,7 @@ def test_every_module_is_in_a_layer():
 
 def test_no_lower_layer_imports_a_higher_one():
     bad = arch.violations(arch.import_graph())
-    assert not bad, (
-        "imports that go up a layer (importer, imported), see docs/concepts/architecture.md: "
-        f"{bad}"
-    )
+    assert not bad, f"imports that go up a layer (importer, imported), see docs/concepts/architecture.md: {bad}"
 
 
 def test_the_reader_sees_relative_lazy_and_submodule_imports():
@@ -59,8 +56,11 @@ def test_the_reader_sees_relative_lazy_and_submodule_imports():
 
 @pytest.mark.parametrize(
     "importer, imported",
-    [("eqxpar._specs", "eqxpar.train"), ("eqxpar.nn._linear", "eqxpar.train._step"),
-     ("eqxpar.train._gradients", "eqxpar.checkpoint")],
+    [
+        ("eqxpar._specs", "eqxpar.train"),
+        ("eqxpar.nn._linear", "eqxpar.train._step"),
+        ("eqxpar.train._gradients", "eqxpar.checkpoint"),
+    ],
 )
 def test_an_upward_import_is_reported(importer, imported):
     graph = {importer: {imported}, imported: set()}

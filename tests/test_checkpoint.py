@@ -226,7 +226,9 @@ def test_restore_on_any_mesh_gives_the_saved_values(
         restored = ckpt.restore(like).state
     assert _shardings(restored) == _shardings(like)
     # The single-device reference: the saved state gathered to the host.
-    assert_bitwise_equal(restored, saved, f"saved on {saved_mesh}/{saved_axis}, restored on {target_mesh}/{target_axis}")
+    assert_bitwise_equal(
+        restored, saved, f"saved on {saved_mesh}/{saved_axis}, restored on {target_mesh}/{target_axis}"
+    )
 
 
 # -- keep, save_every, async ----------------------------------------------------------------

@@ -27,7 +27,9 @@ pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptio
 
 def _state(seed, mesh):
     w = jax.random.normal(jax.random.key(seed), (16, 6))
-    return eqxpar.shard({"w": w, "b": jnp.arange(6.0) + seed, "key": jax.random.key(seed)}, mesh, {"w": P("data"), "b": P(), "key": P()})
+    return eqxpar.shard(
+        {"w": w, "b": jnp.arange(6.0) + seed, "key": jax.random.key(seed)}, mesh, {"w": P("data"), "b": P(), "key": P()}
+    )
 
 
 def _files(directory, names):
@@ -45,8 +47,12 @@ def _files(directory, names):
 
 def _foreign(directory):
     """A user's results beside the checkpoints: integer-named folders, as orbax names steps."""
-    for name, text in [("3/results.csv", "step,loss\n3,0.5\n"), ("2024/results.csv", "year\n2024\n"),
-                       ("8/deep/notes.txt", "not a checkpoint"), ("8/meta/other.json", "{}")]:
+    for name, text in [
+        ("3/results.csv", "step,loss\n3,0.5\n"),
+        ("2024/results.csv", "year\n2024\n"),
+        ("8/deep/notes.txt", "not a checkpoint"),
+        ("8/meta/other.json", "{}"),
+    ]:
         path = os.path.join(directory, name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
@@ -118,7 +124,9 @@ def test_a_mesh_that_does_not_divide_names_the_leaf_and_the_sizes_that_would(tmp
         ckpt.maybe_save(1, _state(1, eqxpar.make_mesh(data=8)))
     listed = sorted(os.walk(tmp_path))
     like = {
-        "b": jax.ShapeDtypeStruct((6,), jnp.float32, sharding=NamedSharding(eqxpar.make_mesh(data=2, model=4), P("model"))),
+        "b": jax.ShapeDtypeStruct(
+            (6,), jnp.float32, sharding=NamedSharding(eqxpar.make_mesh(data=2, model=4), P("model"))
+        ),
         "key": jax.random.key(0),
         "w": jax.ShapeDtypeStruct((16, 6), jnp.float32, sharding=NamedSharding(eqxpar.make_mesh(data=8), P("data"))),
     }
@@ -131,7 +139,13 @@ def test_a_mesh_that_does_not_divide_names_the_leaf_and_the_sizes_that_would(tmp
             ckpt.restore(like)
         two_axes = NamedSharding(eqxpar.make_mesh(data=2, model=4), P(None, ("data", "model")))
         with pytest.raises(ValueError, match=r"dimension 1 has size 6, split over data=2 x model=4 \(8 parts\)"):
-            ckpt.restore({**like, "b": like["b"].update(sharding=NamedSharding(two_axes.mesh, P())), "w": like["w"].update(sharding=two_axes)})
+            ckpt.restore(
+                {
+                    **like,
+                    "b": like["b"].update(sharding=NamedSharding(two_axes.mesh, P())),
+                    "w": like["w"].update(sharding=two_axes),
+                }
+            )
         # With a mesh that divides, the same checkpoint restores.
         like["b"] = like["b"].update(sharding=NamedSharding(eqxpar.make_mesh(data=2, model=4), P(None)))
         assert ckpt.restore(like).step == 1
@@ -150,7 +164,10 @@ def test_the_run_config_is_its_own_item_and_is_checked_when_resuming(tmp_path):
         Checkpointer(tmp_path, config={**config, "dim": 8}, shape_fields=("dim",))
     with pytest.warns(UserWarning, match=r"settings that differ .*: lr=0\.2 \(saved: 0\.1\)"):
         Checkpointer(tmp_path, config={**config, "lr": 0.2, "steps": 20}, shape_fields=("dim",), free_fields=("steps",))
-    with pytest.raises(ValueError, match=r"directory .* already holds checkpoints \(steps \[1\]\); nothing was overwritten\. Pass resume=True"):
+    with pytest.raises(
+        ValueError,
+        match=r"directory .* already holds checkpoints \(steps \[1\]\); nothing was overwritten\. Pass resume=True",
+    ):
         Checkpointer(tmp_path, resume=False)
     with pytest.raises(ValueError, match=r"shape_fields/free_fields name \['width'\], which the config does not have"):
         Checkpointer(tmp_path, config=config, shape_fields=("width",))
@@ -174,7 +191,9 @@ _BEFORE_JAX = textwrap.dedent(
 def test_the_folder_is_checked_before_jax_starts(tmp_path):
     with Checkpointer(tmp_path, config={"dim": 4}) as ckpt:
         ckpt.maybe_save(1, {"w": jnp.ones(2)})
-    out = subprocess.run([sys.executable, "-c", _BEFORE_JAX, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", _BEFORE_JAX, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     assert lines[0].startswith("refused: directory ") and "already holds checkpoints" in lines[0], lines

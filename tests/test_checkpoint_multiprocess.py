@@ -37,9 +37,23 @@ def two_process_job(tmp_path_factory):
     with Checkpointer(directory / SAVED_BY_ONE) as ckpt:
         ckpt.maybe_save(STEP, saved, data_state={"index": 64})
     run = subprocess.run(
-        [sys.executable, "-m", "eqxpar.launch", "--nproc", "2", "--devices-per-proc", "4", "--timeout-s", "150",
-         os.path.join("tests", "_checkpoint_processes.py"), str(directory)],
-        cwd=ROOT, capture_output=True, text=True, timeout=180,
+        [
+            sys.executable,
+            "-m",
+            "eqxpar.launch",
+            "--nproc",
+            "2",
+            "--devices-per-proc",
+            "4",
+            "--timeout-s",
+            "150",
+            os.path.join("tests", "_checkpoint_processes.py"),
+            str(directory),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert "[rank 1] done process 1 of 2: 4 local / 8 global cpu devices" in run.stdout, run.stdout[-2000:]
@@ -90,12 +104,38 @@ def test_saved_by_two_processes_restored_by_one(two_process_job, layout):
 def test_multihost_recipe_resumes_with_another_process_count(tmp_path, capsys):
     """recipes/multihost.py checkpointed by 2 processes x 4 devices, resumed by this process
     (1 x 8): the run goes on from the saved step, to the losses of a run never interrupted."""
-    flags = ("--steps", "4", "--batch-size", "64", "--learning-rate", "0.2",
-             "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2")
+    flags = (
+        "--steps",
+        "4",
+        "--batch-size",
+        "64",
+        "--learning-rate",
+        "0.2",
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+        "--checkpoint-every",
+        "2",
+    )
     run = subprocess.run(
-        [sys.executable, "-m", "eqxpar.launch", "--nproc", "2", "--devices-per-proc", "4", "--timeout-s", "150",
-         "recipes/multihost.py", *flags, "--metrics-out", str(tmp_path / "two.json")],
-        cwd=ROOT, capture_output=True, text=True, timeout=180,
+        [
+            sys.executable,
+            "-m",
+            "eqxpar.launch",
+            "--nproc",
+            "2",
+            "--devices-per-proc",
+            "4",
+            "--timeout-s",
+            "150",
+            "recipes/multihost.py",
+            *flags,
+            "--metrics-out",
+            str(tmp_path / "two.json"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["2", "4"]

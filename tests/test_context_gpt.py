@@ -20,7 +20,9 @@ VOCAB, SEQ, DIM, HEADS, BATCH, STEPS = 7, 16, 8, 2, 4, 2
 
 
 def gpt(attention_impl):
-    return GPT(VOCAB, SEQ, DIM, HEADS, 1, pad_vocab_to_multiple_of=8, attention_impl=attention_impl, key=jax.random.key(3))
+    return GPT(
+        VOCAB, SEQ, DIM, HEADS, 1, pad_vocab_to_multiple_of=8, attention_impl=attention_impl, key=jax.random.key(3)
+    )
 
 
 def context_loss(model, batch, key=None):
@@ -34,13 +36,15 @@ def windows(seed):
 
 @examples(2)  # more under HYPOTHESIS_PROFILE=thorough
 @given(
-    shape=st.sampled_from([
-        {"data": 1, "context": 2, "model": 1},
-        {"data": 2, "context": 2, "model": 2},
-        {"data": 1, "context": 4, "model": 2},
-        {"data": 1, "context": 8, "model": 1},
-        {"data": 2, "context": 4, "model": 1},
-    ]),
+    shape=st.sampled_from(
+        [
+            {"data": 1, "context": 2, "model": 1},
+            {"data": 2, "context": 2, "model": 2},
+            {"data": 1, "context": 4, "model": 2},
+            {"data": 1, "context": 8, "model": 1},
+            {"data": 2, "context": 4, "model": 1},
+        ]
+    ),
     mode=st.sampled_from(["ring", "all_gather"]),
     seed=st.integers(0, 2**16),
 )
@@ -64,6 +68,7 @@ def test_context_parallel_gpt_equals_one_device(shape, mode, seed):
         model, opt_state, metrics = step(model, opt_state, batch)
         np.testing.assert_allclose(float(metrics["loss"]), loss, rtol=2e-5)
         np.testing.assert_allclose(float(metrics["grad_norm"]), norm, rtol=1e-4)
+
     def arrays(m):
         return jax.tree.leaves(eqx.filter(m, eqx.is_array))
 

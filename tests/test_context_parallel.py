@@ -70,6 +70,7 @@ def context_loss(mode, layout, causal):
     def loss_fn(model, batch, key=None):
         inputs, targets = batch  # this device's part of every sequence, in `layout` order
         positions = context_positions(inputs.shape[-1], "context", layout)
+
         def attend(q, k, v):
             return attention(q, k, v, axis_name="context", causal=causal, layout=layout)
 

@@ -53,14 +53,25 @@ def test_the_recipe_reports_activation_memory_against_theory():
     theory and autodiff's count agree on the blocks (a second depth gives the per-block
     difference), and the theory's total is the least the step keeps."""
     recipe = load_recipe("long_context")
-    flags = [*FLAGS[:-2], "--remat", "block", "--scan-layers", "--sequence-parallel", "--mesh", "data=2,context=2,model=2"]
+    flags = [
+        *FLAGS[:-2],
+        "--remat",
+        "block",
+        "--scan-layers",
+        "--sequence-parallel",
+        "--mesh",
+        "data=2,context=2,model=2",
+    ]
     one, two = recipe.main([*flags, "--layers", "1"]), recipe.main([*flags, "--layers", "2"])
     # Per block: 1 example x 128 positions per context shard / 2 (SP) x dim 16, float32.
     assert two["activation_bytes_per_block_theory"] == 1 * 256 // 2 // 2 * 16 * 4
     assert two["activation_bytes_saved"] - one["activation_bytes_saved"] == two["activation_bytes_per_block_theory"]
     assert 0 < two["activation_bytes_theory"] <= two["activation_bytes_saved"]
     assert two["remat"] == "block" and two["scan_layers"] is True
-    assert abs(two["final_loss"] - recipe.main([*FLAGS[:-2], "--layers", "2", "--mesh", "data=2,context=2,model=2"])["final_loss"]) <= 1e-5 * abs(two["final_loss"])
+    assert abs(
+        two["final_loss"]
+        - recipe.main([*FLAGS[:-2], "--layers", "2", "--mesh", "data=2,context=2,model=2"])["final_loss"]
+    ) <= 1e-5 * abs(two["final_loss"])
 
 
 @pytest.mark.parametrize("attention", ["ring", "all_gather"])

@@ -92,7 +92,9 @@ def test_each_strategy_yields_the_expected_batch(sizes, axes, step, seed, shuffl
     source = records(n)
     want = expected_batch(n, batch_size, step, seed, shuffle)
     for name, load in STRATEGIES.items():
-        batch = load(source, step, global_batch_size=batch_size, mesh=mesh, batch_axis=batch_axis, seed=seed, shuffle=shuffle)
+        batch = load(
+            source, step, global_batch_size=batch_size, mesh=mesh, batch_axis=batch_axis, seed=seed, shuffle=shuffle
+        )
         for leaf in batch:
             assert leaf.sharding == data.batch_sharding(mesh, batch_axis), name
         got = eqxpar.gather(batch)
@@ -209,7 +211,9 @@ def test_source_smaller_than_a_batch_warns_before_loading(load):
     mesh = eqxpar.make_mesh(data=8)
     source = records(5)
     CountingRecords.reads = 0
-    message = r"has 5 records, fewer than the global batch size of 8 rows, so records repeat.*at most 5 rows, or more data"
+    message = (
+        r"has 5 records, fewer than the global batch size of 8 rows, so records repeat.*at most 5 rows, or more data"
+    )
     with pytest.warns(UserWarning, match=message) as caught:
         batch = load(source, 1, global_batch_size=8, mesh=mesh, seed=3)
     assert len(caught) == 1 and caught[0].filename == __file__  # points at the caller's line
@@ -252,9 +256,23 @@ def test_array_records_rejects_ragged_arrays():
 def two_process_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("multiprocess_data")
     run = subprocess.run(
-        [sys.executable, "-m", "eqxpar.launch", "--nproc", "2", "--devices-per-proc", "4",
-         "--timeout-s", "150", os.path.join("tests", "_multiprocess_data.py"), str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=180,
+        [
+            sys.executable,
+            "-m",
+            "eqxpar.launch",
+            "--nproc",
+            "2",
+            "--devices-per-proc",
+            "4",
+            "--timeout-s",
+            "150",
+            os.path.join("tests", "_multiprocess_data.py"),
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
@@ -310,7 +328,12 @@ def test_data_loading_recipe_in_one_process(tmp_path):
     metrics = run_recipe("data_loading", tmp_path, "--steps", "2", "--batch-size", "32")
     reads = {name: r["reads_per_process"] for name, r in metrics["strategies"].items()}
     # mesh data=2,model=4: per device reads each 16-row shard once per replica (4x).
-    assert reads == {"1 global, then slice": [32], "2 per device": [128], "3 per process": [32], "4 load, then reshard": [32]}
+    assert reads == {
+        "1 global, then slice": [32],
+        "2 per device": [128],
+        "3 per process": [32],
+        "4 load, then reshard": [32],
+    }
     assert metrics["rows_needed_per_process"] == [32] and metrics["all_equal"]
 
 
@@ -318,10 +341,30 @@ def test_data_loading_recipe_in_one_process(tmp_path):
 def test_data_loading_recipe_as_two_processes(tmp_path):
     out = tmp_path / "metrics.json"
     run = subprocess.run(
-        [sys.executable, "-m", "eqxpar.launch", "--nproc", "2", "--devices-per-proc", "4", "--timeout-s", "150",
-         "recipes/data_loading.py", "--mesh", "model=2,data=4", "--steps", "2", "--batch-size", "32",
-         "--metrics-out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=180,
+        [
+            sys.executable,
+            "-m",
+            "eqxpar.launch",
+            "--nproc",
+            "2",
+            "--devices-per-proc",
+            "4",
+            "--timeout-s",
+            "150",
+            "recipes/data_loading.py",
+            "--mesh",
+            "model=2,data=4",
+            "--steps",
+            "2",
+            "--batch-size",
+            "32",
+            "--metrics-out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     metrics = json.loads(out.read_text())

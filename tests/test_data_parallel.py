@@ -105,7 +105,9 @@ def test_step_equals_one_device_step_on_the_global_batch(sizes, split_all_axes, 
     batch_axis = tuple(sizes) if split_all_axes and len(sizes) > 1 else "data"
     model = run_both(sizes, global_batch, seed, steps, batch_axis=batch_axis)
     leaf = model.layers[0].weight
-    assert leaf.sharding.is_equivalent_to(NamedSharding(cached_step(tuple(sizes.items()), 1, batch_axis).mesh, P()), leaf.ndim)
+    assert leaf.sharding.is_equivalent_to(
+        NamedSharding(cached_step(tuple(sizes.items()), 1, batch_axis).mesh, P()), leaf.ndim
+    )
 
 
 @given(
@@ -212,7 +214,9 @@ def test_each_shard_gets_its_own_key(n_data, grad_accum, seed):
     ref_loss, ref_grads = on_one_device(dropout_reference, model, batch, keys)
     _, same_key_grads = on_one_device(dropout_reference, model, batch, jnp.broadcast_to(key, keys.shape))
     opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_inexact_array))
-    _, opt_state, metrics = step(*eqxpar.shard(fresh((model, opt_state)), step.mesh), shard_batch(batch, step.mesh), key)
+    _, opt_state, metrics = step(
+        *eqxpar.shard(fresh((model, opt_state)), step.mesh), shard_batch(batch, step.mesh), key
+    )
     assert_trees_close(metrics["loss"], ref_loss, what="loss with per-shard keys")
     assert_trees_close(opt_state[0], ref_grads, what="gradient with per-shard keys")
     with pytest.raises(AssertionError, match="differ beyond"):  # shards do not share one key

@@ -148,12 +148,19 @@ def test_call_mistakes_are_named_before_anything_runs(builder):
             step(*args, **kwargs)
 
     assert _compiles(lambda: expect(r"model and opt_state look swapped", opt_state, model, batch)) == 0
-    assert _compiles(lambda: expect(r"key must be a PRNG key.*jax\.random\.key\(0\)", model, opt_state, batch, key=0)) == 0
+    assert (
+        _compiles(lambda: expect(r"key must be a PRNG key.*jax\.random\.key\(0\)", model, opt_state, batch, key=0)) == 0
+    )
     out = []
     # The counter does see compiles: the first good call compiles the step.
     assert _compiles(lambda: out.extend(step(model, opt_state, batch, key=jax.random.key(0)))) > 0
     new_model, new_opt_state, _ = out
-    expect(rf"{builder}: model leaf \.weight was donated to an earlier call.*keep the ones it returns", model, opt_state, batch)
+    expect(
+        rf"{builder}: model leaf \.weight was donated to an earlier call.*keep the ones it returns",
+        model,
+        opt_state,
+        batch,
+    )
     # The returned ones work, positionally or with key=.
     step(new_model, new_opt_state, batch, jax.random.key(1))
 
@@ -162,7 +169,9 @@ def test_loss_without_a_key_parameter():
     def no_key(model, batch):
         return mean_loss(model, batch, None)
 
-    with pytest.raises(ValueError, match=r"loss_fn\(model, batch\) cannot be called as loss_fn\(model, batch, key\).*key=None"):
+    with pytest.raises(
+        ValueError, match=r"loss_fn\(model, batch\) cannot be called as loss_fn\(model, batch, key\).*key=None"
+    ):
         data_parallel_step(no_key, OPTIMIZER, eqxpar.make_mesh(data=2))
     with pytest.raises(ValueError, match=r"optimizer must be an optax GradientTransformation"):
         data_parallel_step(mean_loss, optax.sgd, eqxpar.make_mesh(data=2))

@@ -92,7 +92,9 @@ def sharded_forward(n_data):
     # check_vma=False: JAX 0.10's varying-type check rejects one pmean over a vmap axis and
     # a mesh axis together, which is what BatchNorm(axis_name=("batch", "data")) does.
     mesh = eqxpar.make_mesh(data=n_data)
-    f = eqxpar.filter_shard_map(forward, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P("data"), P()), check_vma=False)
+    f = eqxpar.filter_shard_map(
+        forward, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P("data"), P()), check_vma=False
+    )
     return eqx.filter_jit(f)
 
 
@@ -133,7 +135,9 @@ def test_batch_norm_step_equals_one_device_over_the_global_batch(n_data, grad_ac
         assert_trees_close(single_device(model), ref_model, what=f"parameters after step {i}")
         # The optimizer states differ in structure only where the axis_name does (a tuple
         # vs a string); compare their arrays.
-        assert_trees_close(jax.tree.leaves(opt_state), jax.tree.leaves(ref_opt_state), what=f"optimizer state after step {i}")
+        assert_trees_close(
+            jax.tree.leaves(opt_state), jax.tree.leaves(ref_opt_state), what=f"optimizer state after step {i}"
+        )
 
     # The trained model's outputs over a new global batch, in training mode (batch
     # statistics, running statistics updated) and in inference mode (running statistics).

@@ -65,13 +65,24 @@ LAUNCHED = {
 @pytest.mark.parametrize(
     "env, kwargs, message",
     [
-        ({}, {"coordinator_address": "127.0.0.1:1234", "num_processes": 2, "process_id": 2},
-         "process_id 2 is out of range for 2 process"),
-        (LAUNCHED, {"num_processes": 3}, r"initialize\(num_processes=3\) does not match the environment, which says EQXPAR_NUM_PROCESSES=2"),
+        (
+            {},
+            {"coordinator_address": "127.0.0.1:1234", "num_processes": 2, "process_id": 2},
+            "process_id 2 is out of range for 2 process",
+        ),
+        (
+            LAUNCHED,
+            {"num_processes": 3},
+            r"initialize\(num_processes=3\) does not match the environment, which says EQXPAR_NUM_PROCESSES=2",
+        ),
         ({}, {"num_processes": 2, "process_id": 0}, "also needs coordinator_address"),
         ({}, {"num_processes": 2}, "also needs coordinator_address and process_id"),
         ({}, {"coordinator_address": "localhost", "num_processes": 2, "process_id": 0}, "not of the form host:port"),
-        ({}, {"coordinator_address": "localhost:99999", "num_processes": 2, "process_id": 0}, "port must be an integer"),
+        (
+            {},
+            {"coordinator_address": "localhost:99999", "num_processes": 2, "process_id": 0},
+            "port must be an integer",
+        ),
         ({}, {"num_processes": 0}, "num_processes must be at least 1"),
         ({}, {"timeout_s": 0}, "timeout_s must be positive"),
         ({}, {"heartbeat_timeout_s": 0}, "heartbeat_timeout_s must be positive"),
@@ -106,7 +117,10 @@ def test_a_process_count_that_contradicts_the_launcher_fails_every_rank(tmp_path
     script.write_text("import eqxpar.distributed\neqxpar.distributed.initialize(num_processes=3)\n")
     run = subprocess.run(
         [sys.executable, "-m", "eqxpar.launch", "--nproc", "2", "--devices-per-proc", "2", str(script)],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert run.returncode == 1
     assert "initialize(num_processes=3) does not match the environment, which says EQXPAR_NUM_PROCESSES=2" in run.stdout
@@ -138,27 +152,41 @@ def test_wrong_start_ups_end_in_clear_errors():
     runs = {}
     for rank in (0, 1):
         env = dict(os.environ)
-        env.update({
-            distributed.ENV_COORDINATOR_ADDRESS: f"127.0.0.1:{free_port()}",
-            distributed.ENV_NUM_PROCESSES: "2",
-            distributed.ENV_PROCESS_ID: str(rank),
-            distributed.ENV_DEVICES_PER_PROCESS: "1",
-        })
+        env.update(
+            {
+                distributed.ENV_COORDINATOR_ADDRESS: f"127.0.0.1:{free_port()}",
+                distributed.ENV_NUM_PROCESSES: "2",
+                distributed.ENV_PROCESS_ID: str(rank),
+                distributed.ENV_DEVICES_PER_PROCESS: "1",
+            }
+        )
         runs[rank] = subprocess.Popen(
-            [sys.executable, "-c", ATTEMPT, "3"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            [sys.executable, "-c", ATTEMPT, "3"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
     # And a complete pair of processes, but with different device counts.
     address = f"127.0.0.1:{free_port()}"
     for rank in (0, 1):
         env = dict(os.environ)
-        env.update({
-            distributed.ENV_COORDINATOR_ADDRESS: address,
-            distributed.ENV_NUM_PROCESSES: "2",
-            distributed.ENV_PROCESS_ID: str(rank),
-            distributed.ENV_DEVICES_PER_PROCESS: str(rank + 1),
-        })
+        env.update(
+            {
+                distributed.ENV_COORDINATOR_ADDRESS: address,
+                distributed.ENV_NUM_PROCESSES: "2",
+                distributed.ENV_PROCESS_ID: str(rank),
+                distributed.ENV_DEVICES_PER_PROCESS: str(rank + 1),
+            }
+        )
         runs[f"uneven{rank}"] = subprocess.Popen(
-            [sys.executable, "-c", ATTEMPT, "30"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            [sys.executable, "-c", ATTEMPT, "30"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
     out = {rank: p.communicate(timeout=60)[0] for rank, p in runs.items()}
     for rank in ("uneven0", "uneven1"):
@@ -184,9 +212,25 @@ def test_multihost_recipe_matches_one_process_and_one_device(tmp_path):
     metrics_path = tmp_path / "two_processes.json"
     start = time.monotonic()
     run = subprocess.run(
-        [sys.executable, "-m", "eqxpar.launch", "--nproc", "2", "--devices-per-proc", "4", "--timeout-s", "150",
-         "recipes/multihost.py", *FLAGS, "--metrics-out", str(metrics_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=180,
+        [
+            sys.executable,
+            "-m",
+            "eqxpar.launch",
+            "--nproc",
+            "2",
+            "--devices-per-proc",
+            "4",
+            "--timeout-s",
+            "150",
+            "recipes/multihost.py",
+            *FLAGS,
+            "--metrics-out",
+            str(metrics_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     seconds = time.monotonic() - start
@@ -208,6 +252,8 @@ def test_multihost_recipe_matches_one_process_and_one_device(tmp_path):
         assert_trees_close(
             np.array([two["final_loss"], two["test_accuracy"]]),
             np.array([other["final_loss"], other["test_accuracy"]]),
-            rtol=F32_RTOL, atol=F32_ATOL, what="2 processes vs one process",
+            rtol=F32_RTOL,
+            atol=F32_ATOL,
+            what="2 processes vs one process",
         )
     print(f"final losses {two['final_loss']}, {eight['final_loss']}, {one['final_loss']}")

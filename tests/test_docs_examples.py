@@ -115,11 +115,18 @@ def test_every_page_elsewhere_exists():
 
 
 def test_skip_markers_and_scripts_are_read():
-    text = "a\n<!-- docs-test: skip (needs two processes) -->\n```python\nraise SystemExit\n```\n```python\nx = 1\n```\n"
+    text = (
+        "a\n<!-- docs-test: skip (needs two processes) -->\n```python\nraise SystemExit\n```\n```python\nx = 1\n```\n"
+    )
     assert page_blocks(text) == (["x = 1\n"], ["needs two processes"])
     with pytest.raises(ValueError, match="without a"):
         page_blocks("<!-- docs-test: skip -->\n```python\nx = 1\n```\n")
-    blocks = ["import eqxpar\neqxpar.simulate_cpu_devices(4)\n", "y = 2\n", "x = 1\n", "eqxpar.simulate_cpu_devices(8)\n"]
+    blocks = [
+        "import eqxpar\neqxpar.simulate_cpu_devices(4)\n",
+        "y = 2\n",
+        "x = 1\n",
+        "eqxpar.simulate_cpu_devices(8)\n",
+    ]
     assert [n for n, _ in scripts(blocks[1:3])] == [8]  # no call: the 8 devices of the tests
     assert [n for n, _ in scripts(blocks)] == [4, 8]
     assert scripts(blocks)[0][1] == "import eqxpar\neqxpar.simulate_cpu_devices(4)\n\ny = 2\n\nx = 1\n"

@@ -137,8 +137,13 @@ def test_ring_gpt_on_a_mesh_without_a_context_axis(ring_gpt):
     step = hybrid_step(gpt_loss, optax.adam(1e-3), eqxpar.make_mesh(data=2, model=4), batch_axis="data")
     refused(
         lambda: step.init(ring_gpt),
-        "hybrid_step:", "blocks[0].attention", "attention_impl='ring'", "'context'",
-        "data=2, model=4", "context_axis='context'", "make_mesh(data=..., context=2",
+        "hybrid_step:",
+        "blocks[0].attention",
+        "attention_impl='ring'",
+        "'context'",
+        "data=2, model=4",
+        "context_axis='context'",
+        "make_mesh(data=..., context=2",
     )
 
 
@@ -151,8 +156,9 @@ def test_ring_gpt_trained_without_context_axis(ring_gpt):
     step = hybrid_step(gpt_loss, optax.adam(1e-3), mesh, batch_axis="data")
     text = refused(lambda: step.init(ring_gpt), "splits no sequences", "context_axis='context'")
     assert "make_mesh" not in text  # the mesh is fine
-    other = hybrid_step(gpt_loss, optax.adam(1e-3), eqxpar.make_mesh(data=2, seq=2, model=2), batch_axis="data",
-                        context_axis="seq")
+    other = hybrid_step(
+        gpt_loss, optax.adam(1e-3), eqxpar.make_mesh(data=2, seq=2, model=2), batch_axis="data", context_axis="seq"
+    )
     refused(lambda: other.init(ring_gpt), "context_axis='seq'", "Build the step with context_axis='context'")
 
 
@@ -163,7 +169,11 @@ def test_sequence_parallel_gpt_under_a_data_only_step(sequence_parallel_gpt):
     step = data_parallel_step(gpt_loss, optax.adam(1e-3), eqxpar.make_mesh(data=8))
     refused(
         lambda: step.init(sequence_parallel_gpt),
-        "data_parallel_step:", "(GPT)", "model axis 'model'", "its axes: data=8", "model=1",
+        "data_parallel_step:",
+        "(GPT)",
+        "model axis 'model'",
+        "its axes: data=8",
+        "model=1",
     )
 
 
@@ -172,7 +182,10 @@ def test_ring_attention_outside_shard_map():
     for attend in (eqxpar.nn.ring_attention, eqxpar.nn.all_gather_attention):
         refused(
             lambda attend=attend: attend(q, q, q, axis_name="context", causal=True),
-            f"{attend.__name__}:", "outside shard_map", "'context'", "eqxpar.filter_shard_map",
+            f"{attend.__name__}:",
+            "outside shard_map",
+            "'context'",
+            "eqxpar.filter_shard_map",
         )
 
 
@@ -196,15 +209,20 @@ def test_a_stage_layer_that_changes_the_activation_width(pipeline_mesh):
 
     model = {"layers": Widen(jax.numpy.ones((2, 4, 6))), "scale": jax.numpy.ones((4,))}
     stages = Stages(
-        first=lambda m, b, k: b * m["scale"][None, :], layers=lambda m: m["layers"],
-        layer=lambda layer, x, k: x @ layer.weight, last=lambda m, x, b, k: jax.numpy.mean(x),
+        first=lambda m, b, k: b * m["scale"][None, :],
+        layers=lambda m: m["layers"],
+        layer=lambda layer, x, k: x @ layer.weight,
+        last=lambda m, x, b, k: jax.numpy.mean(x),
     )
     step = pipeline_step(stages, optax.sgd(0.1), pipeline_mesh, microbatches=2)
     model, opt_state = step.init(model)
     batch = shard_batch(jax.numpy.ones((8, 4)), pipeline_mesh, batch_axis="data")
     refused(
         lambda: step(model, opt_state, batch),
-        "Stages.layer changes the activation", "float32[2, 4]", "float32[2, 6]", "Stages.first or Stages.last",
+        "Stages.layer changes the activation",
+        "float32[2, 4]",
+        "float32[2, 6]",
+        "Stages.first or Stages.last",
     )
 
 
@@ -214,8 +232,9 @@ def pipeline_gpt(pipeline_mesh):
     from eqxpar.train import pipeline_step
 
     step = pipeline_step(gpt_stages(), optax.sgd(0.1), pipeline_mesh, microbatches=2)
-    model = GPT(16, 4, dim=8, num_heads=2, num_layers=2, scan_layers=True, pad_vocab_to_multiple_of=8,
-                key=jax.random.key(0))
+    model = GPT(
+        16, 4, dim=8, num_heads=2, num_layers=2, scan_layers=True, pad_vocab_to_multiple_of=8, key=jax.random.key(0)
+    )
     return step, *step.init(model)
 
 
@@ -227,7 +246,9 @@ def test_tokens_longer_than_the_context_through_a_pipeline(pipeline_mesh, pipeli
     batch = shard_batch(jax.numpy.zeros((8, 9), jax.numpy.int32), pipeline_mesh, batch_axis="data")
     refused(
         lambda: step(model, opt_state, batch),
-        "8 tokens per sequence exceed context_length=4", "seq + 1 <= 5", "context_length >= 8",
+        "8 tokens per sequence exceed context_length=4",
+        "seq + 1 <= 5",
+        "context_length >= 8",
     )
 
 
@@ -239,8 +260,9 @@ def test_pipeline_messages_speak_of_microbatches(pipeline_mesh):
     batch = shard_batch(jax.numpy.zeros((4, 5), jax.numpy.int32), pipeline_mesh, batch_axis="data")
     from eqxpar.models import GPT
 
-    model = GPT(16, 4, dim=8, num_heads=2, num_layers=2, scan_layers=True, pad_vocab_to_multiple_of=8,
-                key=jax.random.key(0))
+    model = GPT(
+        16, 4, dim=8, num_heads=2, num_layers=2, scan_layers=True, pad_vocab_to_multiple_of=8, key=jax.random.key(0)
+    )
     model, opt_state = step.init(model)
     text = refused(lambda: step(model, opt_state, batch), "times microbatches=3 (= 6)", "multiple of 6")
     assert "grad_accum" not in text
@@ -265,8 +287,10 @@ def weight_mask(model):
     "optimizer, path",
     [
         (optax.adamw(1e-3, mask=weight_mask(mlp(1))), "model.layers[2].weight has no entry in the mask"),
-        (optax.chain(optax.masked(optax.add_decayed_weights(1e-4), weight_mask(mlp(1))), optax.sgd(0.1)),
-         "model.layers[2].weight has no entry in the mask"),
+        (
+            optax.chain(optax.masked(optax.add_decayed_weights(1e-4), weight_mask(mlp(1))), optax.sgd(0.1)),
+            "model.layers[2].weight has no entry in the mask",
+        ),
         (optax.adamw(1e-3, mask=lambda params: {"weights": True}), "model.layers[0].weight has no entry in the mask"),
         (optax.adamw(1e-3, mask=weight_mask(mlp(3))), "the mask has an entry at .layers[3]"),
     ],
@@ -381,8 +405,13 @@ def test_to_dense_of_a_devices_stacked_block_is_refused_before_unstacking():
 
 def test_ring_and_sequence_parallel_gpt_called_outside_shard_map(ring_gpt, sequence_parallel_gpt):
     tokens = jax.numpy.zeros((2, 8), jax.numpy.int32)
-    refused(lambda: ring_gpt(tokens), "GPT: attention_impl='ring'", "'context'", "outside shard_map",
-            "context_axis='context'")
+    refused(
+        lambda: ring_gpt(tokens),
+        "GPT: attention_impl='ring'",
+        "'context'",
+        "outside shard_map",
+        "context_axis='context'",
+    )
     refused(lambda: sequence_parallel_gpt(tokens), "GPT: sequence_parallel=True", "'model'", "outside shard_map")
 
 
@@ -392,5 +421,10 @@ def test_ring_gpt_in_a_pipeline():
 
     model = GPT(64, 16, 32, 4, 2, attention_impl="ring", scan_layers=True, key=jax.random.key(0))
     step = pipeline_step(gpt_stages(), optax.sgd(0.1), eqxpar.make_mesh(stage=2, data=2, model=2))
-    refused(lambda: step.init(model), "pipeline_step:", "attention_impl='ring'", "keeps whole sequences",
-            "attention_impl='dot_product'")
+    refused(
+        lambda: step.init(model),
+        "pipeline_step:",
+        "attention_impl='ring'",
+        "keeps whole sequences",
+        "attention_impl='dot_product'",
+    )

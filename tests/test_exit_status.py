@@ -22,9 +22,11 @@ pytestmark = pytest.mark.slow
 
 def test_sys_exit_3_in_one_rank_ends_the_job_with_status_3():
     proc = subprocess.Popen(
-        [sys.executable, "-m", "eqxpar.launch", "--nproc", "2", "--devices-per-proc", "1",
-         SCRIPT, "exit3", "1"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [sys.executable, "-m", "eqxpar.launch", "--nproc", "2", "--devices-per-proc", "1", SCRIPT, "exit3", "1"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     seen = []
     left_at = None

@@ -39,8 +39,15 @@ class Job:
         self.seen: list[tuple[float, int, str]] = []  # (time since start, process, line)
         self.procs = []
         for index, (command, env) in enumerate(commands_and_envs):
-            p = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            p = subprocess.Popen(
+                command,
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
             self.procs.append(p)
             threading.Thread(target=self._read, args=(index, p), daemon=True).start()
 
@@ -116,8 +123,18 @@ class Job:
 
 
 def launcher_job(mode, failing):
-    command = [sys.executable, "-m", "eqxpar.launch", "--nproc", "2", "--devices-per-proc", "2",
-               SCRIPT, mode, str(failing)]
+    command = [
+        sys.executable,
+        "-m",
+        "eqxpar.launch",
+        "--nproc",
+        "2",
+        "--devices-per-proc",
+        "2",
+        SCRIPT,
+        mode,
+        str(failing),
+    ]
     return Job([(command, dict(os.environ))])
 
 
@@ -129,11 +146,18 @@ def by_hand_job(mode, failing, kind):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("EQXPAR_", "SLURM_"))}
         env["JAX_PLATFORMS"] = "cpu"
         if kind == "slurm":  # what srun sets; JAX finds the coordinator from the node list
-            env.update(SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
-                       SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), JAX_COORDINATOR_PORT=str(port))
+            env.update(
+                SLURM_JOB_ID="4242",
+                SLURM_STEP_NODELIST="localhost",
+                SLURM_NTASKS="2",
+                SLURM_PROCID=str(rank),
+                SLURM_LOCALID=str(rank),
+                JAX_COORDINATOR_PORT=str(port),
+            )
         else:
-            env.update(EQXPAR_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", EQXPAR_NUM_PROCESSES="2",
-                       EQXPAR_PROCESS_ID=str(rank))
+            env.update(
+                EQXPAR_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", EQXPAR_NUM_PROCESSES="2", EQXPAR_PROCESS_ID=str(rank)
+            )
         runs.append(([sys.executable, SCRIPT, mode, str(failing)], env))
     return Job(runs)
 
@@ -148,7 +172,7 @@ def last_eqxpar_line(text):
     lines of the coordination service agent's 'Polled an error' after the failing rank's
     own last line) and may even precede it on the same line (Gloo's unterminated
     '[Gloo] Rank 1 is connected to 1 peer ranks. ' was seen in front of it)."""
-    lines = [line[line.index("eqxpar:"):] for line in text.splitlines() if "eqxpar:" in line]
+    lines = [line[line.index("eqxpar:") :] for line in text.splitlines() if "eqxpar:" in line]
     return lines[-1] if lines else ""
 
 
@@ -168,11 +192,14 @@ def test_a_raising_rank_ends_a_launched_job():
     print(f"launcher, rank 1 raises: job over {ended - failed_at:.1f} s after the failure ({ended:.1f} s in all)")
 
 
-@pytest.mark.parametrize("kind, mode, failing", [
-    ("plain", "raise", 1),    # the brief's case: rank 1 runs out of data
-    ("slurm", "raise", 0),    # process 0 hosts the coordination service: it fails last
-    ("plain", "thread", 1),   # a background thread's exception is a failure too
-])
+@pytest.mark.parametrize(
+    "kind, mode, failing",
+    [
+        ("plain", "raise", 1),  # the brief's case: rank 1 runs out of data
+        ("slurm", "raise", 0),  # process 0 hosts the coordination service: it fails last
+        ("plain", "thread", 1),  # a background thread's exception is a failure too
+    ],
+)
 def test_a_failing_rank_ends_a_job_started_by_hand(kind, mode, failing):
     job = by_hand_job(mode, failing, kind)
     failed_at = job.wait_for(f"eqxpar: process {failing} of 2 has an uncaught exception")
@@ -208,8 +235,10 @@ def test_a_late_failure_reaches_a_rank_that_already_finished():
     out = job.output()
     assert codes == [EXIT_PEER_FAILED, 1], (codes, out)
     assert "finished" in job.output(0)
-    assert ("eqxpar: process 0 of 2 stops because process 1 failed: RuntimeError: rank 1 ran out of data."
-            in last_eqxpar_line(job.output(0))), out
+    assert (
+        "eqxpar: process 0 of 2 stops because process 1 failed: RuntimeError: rank 1 ran out of data."
+        in last_eqxpar_line(job.output(0))
+    ), out
     assert ended - failed_at < LIMIT_S
     print(f"by hand, rank 1 raises after rank 0 finished: over {ended - failed_at:.1f} s after the failure")
 
@@ -247,8 +276,9 @@ def test_a_killed_rank_ends_a_job_started_by_hand(killed):
     assert codes[killed] == -signal.SIGKILL and codes[survivor] != 0, (codes, out)
     # The survivor's collective fails and its exception hook ends it. When the killed rank
     # hosted the coordination service, JAX may abort the survivor first ("another task died").
-    assert (f"eqxpar: process {survivor} of 2 failed: " in job.output(survivor)
-            or "JAX distributed service detected fatal errors" in job.output(survivor)), out
+    assert f"eqxpar: process {survivor} of 2 failed: " in job.output(
+        survivor
+    ) or "JAX distributed service detected fatal errors" in job.output(survivor), out
     assert ended - killed_at < LIMIT_S
     print(f"by hand, rank {killed} SIGKILLed: over {ended - killed_at:.1f} s after the kill")
 
@@ -272,7 +302,8 @@ def test_ctrl_c_twice_ends_a_job_blocked_in_a_collective():
     codes, ended = job.wait()
     out = job.output()
     assert codes == [130, EXIT_PEER_FAILED], (codes, out)
-    assert ("eqxpar: process 1 of 2 stops because process 0 was interrupted (SIGINT twice)"
-            in last_eqxpar_line(job.output(1))), out
+    assert "eqxpar: process 1 of 2 stops because process 0 was interrupted (SIGINT twice)" in last_eqxpar_line(
+        job.output(1)
+    ), out
     assert ended - interrupted_at < LIMIT_S
     print(f"by hand, Ctrl-C twice on rank 0 blocked in a collective: over {ended - interrupted_at:.1f} s after")

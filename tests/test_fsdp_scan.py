@@ -27,7 +27,9 @@ LAYERS = 3
 
 
 def scanned_gpt(seed):
-    return GPT(TEXT.vocab_size, CONTEXT, dim=32, num_heads=4, num_layers=LAYERS, scan_layers=True, key=jax.random.key(seed))
+    return GPT(
+        TEXT.vocab_size, CONTEXT, dim=32, num_heads=4, num_layers=LAYERS, scan_layers=True, key=jax.random.key(seed)
+    )
 
 
 @functools.cache
@@ -37,7 +39,10 @@ def reference_value_and_grad():
     one_specs = eqxpar.nn.partition_specs(scanned_gpt(0), one)
     return eqx.filter_jit(
         eqxpar.filter_shard_map(
-            eqx.filter_value_and_grad(lambda m, b: next_token_loss(m, b)), mesh=one, in_specs=(one_specs, P()), out_specs=(P(), one_specs)
+            eqx.filter_value_and_grad(lambda m, b: next_token_loss(m, b)),
+            mesh=one,
+            in_specs=(one_specs, P()),
+            out_specs=(P(), one_specs),
         )
     )
 
@@ -65,12 +70,16 @@ def test_scanned_gpt_under_fsdp_gathers_per_layer_and_equals_one_device(sizes, r
         want = eqx.apply_updates(want, updates)
         model, opt_state, metrics = step(model, opt_state, shard_batch(batch, mesh, batch_axis="fsdp"))
         np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=1e-5)
-        np.testing.assert_allclose(float(metrics["grad_norm"]), float(optax.global_norm(eqx.filter(grads, eqx.is_inexact_array))), rtol=1e-5)
+        np.testing.assert_allclose(
+            float(metrics["grad_norm"]), float(optax.global_norm(eqx.filter(grads, eqx.is_inexact_array))), rtol=1e-5
+        )
     assert_trees_close(model, want, rtol=1e-5, atol=1e-6, what="parameters")
 
     report = CommReport.of(step.lower(model, opt_state, shard_batch(token_batch(8, 0), mesh, batch_axis="fsdp")))
     gathered = [shape for c in report.collectives("all-gather", stage="lowered") for shape in c.shapes]
-    block_shapes = {tuple(x.shape[1:]) for x in jax.tree.leaves(eqx.filter(scanned_gpt(0).blocks, eqx.is_inexact_array))}
+    block_shapes = {
+        tuple(x.shape[1:]) for x in jax.tree.leaves(eqx.filter(scanned_gpt(0).blocks, eqx.is_inexact_array))
+    }
     stacked_shapes = {tuple(x.shape) for x in jax.tree.leaves(eqx.filter(scanned_gpt(0).blocks, eqx.is_inexact_array))}
     # Gathers of the blocks' weights happen per layer (slices without the layer axis).
     assert not any(len(s) and s[0] == LAYERS and tuple(s) in stacked_shapes for s in gathered)

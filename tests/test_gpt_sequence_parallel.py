@@ -34,9 +34,19 @@ def gpt(attention_impl, *, sequence_parallel, dropout_p=0.0, scan_layers=False, 
     # Context-parallel attention takes no attention dropout: the residual and embedding
     # dropouts are what this draws (the one-device reference has the same settings).
     return GPT(
-        VOCAB, SEQ, DIM, HEADS, layers, dropout_p=dropout_p, attention_dropout_p=0.0,
-        pad_vocab_to_multiple_of=8, attention_impl=attention_impl, sequence_parallel=sequence_parallel,
-        scan_layers=scan_layers, remat=remat, key=jax.random.key(3),
+        VOCAB,
+        SEQ,
+        DIM,
+        HEADS,
+        layers,
+        dropout_p=dropout_p,
+        attention_dropout_p=0.0,
+        pad_vocab_to_multiple_of=8,
+        attention_impl=attention_impl,
+        sequence_parallel=sequence_parallel,
+        scan_layers=scan_layers,
+        remat=remat,
+        key=jax.random.key(3),
     )
 
 
@@ -57,12 +67,15 @@ def build(shape, attention_impl, model, optimizer):
     if context:
         step = eqxpar.train.hybrid_step(split_loss, optimizer, mesh, batch_axis="data", context_axis="context")
         order = layout_order(SEQ, shape["context"], "zigzag")
+
         def place(t):
             return eqxpar.shard((t[:, :-1][:, order], t[:, 1:][:, order]), mesh, P("data", "context"))
     else:
         step = eqxpar.train.hybrid_step(whole_loss, optimizer, mesh, batch_axis="data")
+
         def place(t):
             return t
+
     return mesh, step, place
 
 
@@ -78,7 +91,9 @@ def run(shape, attention_impl, model, tokens, key):
     model, opt_state = step.init(model)
     history = []
     for i, t in enumerate(tokens):
-        model, opt_state, metrics = step(model, opt_state, place(t), key=None if key is None else jax.random.fold_in(key, i))
+        model, opt_state, metrics = step(
+            model, opt_state, place(t), key=None if key is None else jax.random.fold_in(key, i)
+        )
         history.append((float(metrics["loss"]), float(metrics["grad_norm"])))
     return model, history
 
@@ -97,10 +112,22 @@ MESHES = [
 @examples(3)  # more under HYPOTHESIS_PROFILE=thorough
 # Pinned: dropout with the sequence split over context (ring, all-gather) and over model
 # (sequence parallelism): every shard must drop what one device drops on the whole sequence.
-@example(shape={"data": 1, "context": 2, "model": 2}, mode="ring", dense_attention="reference", dropout=True,
-         scan_layers=False, seed=0)
-@example(shape={"data": 1, "context": 2, "model": 2}, mode="all_gather", dense_attention="reference", dropout=True,
-         scan_layers=True, seed=1)
+@example(
+    shape={"data": 1, "context": 2, "model": 2},
+    mode="ring",
+    dense_attention="reference",
+    dropout=True,
+    scan_layers=False,
+    seed=0,
+)
+@example(
+    shape={"data": 1, "context": 2, "model": 2},
+    mode="all_gather",
+    dense_attention="reference",
+    dropout=True,
+    scan_layers=True,
+    seed=1,
+)
 @given(
     shape=st.sampled_from(MESHES),
     mode=st.sampled_from(CONTEXT_MODES),
@@ -131,8 +158,10 @@ def test_sequence_parallel_gpt_equals_one_device(shape, mode, dense_attention, d
     np.testing.assert_allclose([n for _, n in got], [n for _, n in want], rtol=1e-4)
     if scan_layers:
         got_model = eqxpar.models.unstack_blocks(got_model)
+
     def arrays(m):
         return jax.tree.leaves(eqx.filter(m, eqx.is_array))
+
     for a, b in zip(arrays(got_model), arrays(ref_model), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=3e-5)
 
@@ -151,8 +180,15 @@ def _model_traffic(shape, attention_impl, remat):
     )
     if context:
         theory += context_parallel_theory(
-            mesh, batch=BATCH, seq_len=SEQ, num_heads=HEADS, head_dim=DIM // HEADS, num_layers=2,
-            mode=attention_impl, model_axis="model", remat=remat != "none",
+            mesh,
+            batch=BATCH,
+            seq_len=SEQ,
+            num_heads=HEADS,
+            head_dim=DIM // HEADS,
+            num_layers=2,
+            mode=attention_impl,
+            model_axis="model",
+            remat=remat != "none",
         )
     return report, theory
 

@@ -31,7 +31,13 @@ def test_every_kind_with_its_size():
     report = communication_report(_mapped(local, mesh, P("model"), P("model")), x)
     # The bytes convention: all-gather the gathered result, reduce-scatter the full operand
     # each device contributes (32 elements; it keeps 8), the others the array itself.
-    want_elements = {"all-reduce": 32, "all-gather": 128, "reduce-scatter": 32, "all-to-all": 32, "collective-permute": 32}
+    want_elements = {
+        "all-reduce": 32,
+        "all-gather": 128,
+        "reduce-scatter": 32,
+        "all-to-all": 32,
+        "collective-permute": 32,
+    }
     (scatter,) = report.collectives("reduce-scatter", stage="lowered")
     assert scatter.result_elements == 8 and scatter.result_bytes == 32
     for kind, elements in want_elements.items():
@@ -53,7 +59,9 @@ def test_lowered_shows_what_the_code_asked_compiled_what_runs():
     arrays = [jnp.ones((4 * (i + 1), 3)) for i in range(7)]
     f = eqxpar.filter_shard_map(
         lambda *xs: jax.lax.psum(xs, "model"),
-        mesh=mesh, in_specs=tuple(P("model") for _ in arrays), out_specs=tuple(P() for _ in arrays),
+        mesh=mesh,
+        in_specs=tuple(P("model") for _ in arrays),
+        out_specs=tuple(P() for _ in arrays),
     )
     report = communication_report(f, *arrays)
     assert report.count("all-reduce", stage="lowered") == 7

@@ -26,19 +26,27 @@ def run_launcher(*args, timeout=90, env=None):
     start = time.monotonic()
     run = subprocess.run(
         [sys.executable, "-m", "eqxpar.launch", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
     )
     return run, time.monotonic() - start
 
 
 def test_every_rank_runs_with_its_settings_and_prefixed_output(tmp_path):
-    script = write(tmp_path, "show.py", """
+    script = write(
+        tmp_path,
+        "show.py",
+        """
         import os, sys
         env = {k: os.environ[k] for k in sorted(os.environ) if k.startswith("EQXPAR_") and k != "EQXPAR_CPU_DEVICES"}
         print("env", env)
         sys.stdout.write("progress 1\\rprogress 2\\n")  # a progress bar's redraw
         print("args", sys.argv[1:], file=sys.stderr)
-    """)
+    """,
+    )
     run, _ = run_launcher("--nproc", "3", "--devices-per-proc", "2", script, "--steps", "5")
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
@@ -66,13 +74,17 @@ def test_a_module_runs_with_its_own_flags(tmp_path):
 
 
 def test_a_failing_rank_stops_the_others_and_sets_the_status(tmp_path):
-    script = write(tmp_path, "fail.py", """
+    script = write(
+        tmp_path,
+        "fail.py",
+        """
         import os, sys, time
         if os.environ["EQXPAR_PROCESS_ID"] == "1":
             sys.exit(3)
         time.sleep(600)
         print("rank 0 finished")
-    """)
+    """,
+    )
     run, seconds = run_launcher("--nproc", "2", "--grace-s", "2", script)
     assert run.returncode == 3
     assert "rank 1 (pid" in run.stderr and "exited with status 3" in run.stderr
@@ -87,7 +99,10 @@ def test_a_rank_that_only_followed_a_failure_is_not_named_as_the_cause(tmp_path)
     Rank 0 exits with 75 at once, as eqxpar's watchdog does when it reads a peer's failure;
     rank 1, the real failure, exits a moment later with status 3.
     """
-    script = write(tmp_path, "follow.py", """
+    script = write(
+        tmp_path,
+        "follow.py",
+        """
         import os, sys, time
         if os.environ["EQXPAR_PROCESS_ID"] == "0":
             print("stops because process 1 failed", flush=True)
@@ -95,7 +110,8 @@ def test_a_rank_that_only_followed_a_failure_is_not_named_as_the_cause(tmp_path)
         time.sleep(1.0)
         print("RuntimeError: the real failure", flush=True)
         sys.exit(3)
-    """)
+    """,
+    )
     run, seconds = run_launcher("--nproc", "2", "--grace-s", "2", script)
     assert run.returncode == 3, run.stderr
     assert "rank 1 (pid" in run.stderr and "exited with status 3" in run.stderr
@@ -120,7 +136,10 @@ def test_a_killed_process_mid_run_ends_the_job_within_60_s(tmp_path):
     Rank 0 is then blocked in a collective that can never finish: the launcher must notice
     the death, stop rank 0 and exit non-zero, naming rank 1.
     """
-    script = write(tmp_path, "collectives.py", """
+    script = write(
+        tmp_path,
+        "collectives.py",
+        """
         import eqxpar.distributed
         info = eqxpar.distributed.initialize(timeout_s=60)
         from jax.experimental import multihost_utils
@@ -128,10 +147,14 @@ def test_a_killed_process_mid_run_ends_the_job_within_60_s(tmp_path):
         print("ready", info, flush=True)
         while True:
             multihost_utils.sync_global_devices("tick")
-    """)
+    """,
+    )
     proc = subprocess.Popen(
         [sys.executable, "-m", "eqxpar.launch", "--nproc", "2", "--devices-per-proc", "2", script],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
@@ -187,15 +210,22 @@ def _alive(pid: int) -> bool:
 def test_ranks_die_with_a_killed_launcher(tmp_path):
     """A launcher killed by SIGKILL cannot stop its ranks itself; the kernel must (each rank
     is started with PR_SET_PDEATHSIG), or they would run on, unowned, forever."""
-    script = write(tmp_path, "forever.py", """
+    script = write(
+        tmp_path,
+        "forever.py",
+        """
         import time
         print("ready", flush=True)
         while True:
             time.sleep(0.1)
-    """)
+    """,
+    )
     proc = subprocess.Popen(
         [sys.executable, "-m", "eqxpar.launch", "--nproc", "2", script],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     pids, ready = [], 0
     try:
@@ -221,8 +251,12 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
 
 
 def test_gloo_connection_chatter_is_recognised():
-    assert launch._is_gloo_chatter("[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1")
-    assert launch._is_gloo_chatter("[Gloo] Rank [Gloo] Rank 3 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7")
+    assert launch._is_gloo_chatter(
+        "[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
+    )
+    assert launch._is_gloo_chatter(
+        "[Gloo] Rank [Gloo] Rank 3 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7"
+    )
     assert not launch._is_gloo_chatter("1")
     assert not launch._is_gloo_chatter("step 3 loss 0.25")
 

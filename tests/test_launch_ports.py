@@ -41,9 +41,24 @@ def check_refusal(run, port, who):
 def test_a_taken_port_through_the_launcher_is_refused_before_anything_starts(taken_port):
     start = time.monotonic()
     run = subprocess.run(
-        [sys.executable, "-m", "eqxpar.launch", "--nproc", "2", "--devices-per-proc", "1",
-         "--port", str(taken_port), SCRIPT, "loop", "-1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "eqxpar.launch",
+            "--nproc",
+            "2",
+            "--devices-per-proc",
+            "1",
+            "--port",
+            str(taken_port),
+            SCRIPT,
+            "loop",
+            "-1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     check_refusal(run, taken_port, "eqxpar.launch")
     assert run.returncode == 2, run.stderr
@@ -54,14 +69,22 @@ def test_a_taken_port_through_the_launcher_is_refused_before_anything_starts(tak
 def test_a_taken_port_through_initialize_is_a_value_error(taken_port):
     start = time.monotonic()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("EQXPAR_", "SLURM_"))}
-    env.update(JAX_PLATFORMS="cpu", EQXPAR_COORDINATOR_ADDRESS=f"127.0.0.1:{taken_port}",
-               EQXPAR_NUM_PROCESSES="2", EQXPAR_PROCESS_ID="0")
-    run = subprocess.run([sys.executable, SCRIPT, "loop", "-1"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)
+    env.update(
+        JAX_PLATFORMS="cpu",
+        EQXPAR_COORDINATOR_ADDRESS=f"127.0.0.1:{taken_port}",
+        EQXPAR_NUM_PROCESSES="2",
+        EQXPAR_PROCESS_ID="0",
+    )
+    run = subprocess.run(
+        [sys.executable, SCRIPT, "loop", "-1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     check_refusal(run, taken_port, "eqxpar.distributed.initialize")
     assert run.returncode == 1, run.stderr
-    assert run.stderr.strip().splitlines()[-1].startswith(
-        f"ValueError: eqxpar.distributed.initialize: the coordinator port {taken_port}"), run.stderr
+    assert (
+        run.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"ValueError: eqxpar.distributed.initialize: the coordinator port {taken_port}")
+    ), run.stderr
     print(f"initialize on taken port {taken_port}: ValueError in {time.monotonic() - start:.1f} s")
 
 
@@ -85,7 +108,8 @@ def listeners(port):
 def test_a_one_machine_launch_listens_on_loopback_only(tmp_path):
     go = tmp_path / "go"
     script = tmp_path / "listen.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import os, time
         import eqxpar.distributed
         info = eqxpar.distributed.initialize(timeout_s=60)
@@ -95,10 +119,14 @@ def test_a_one_machine_launch_listens_on_loopback_only(tmp_path):
         while not os.path.exists({str(go)!r}):
             time.sleep(0.05)
         multihost_utils.sync_global_devices("end")
-    """))
+    """)
+    )
     proc = subprocess.Popen(
         [sys.executable, "-m", "eqxpar.launch", "--nproc", "2", "--devices-per-proc", "1", str(script)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         port = None

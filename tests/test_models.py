@@ -25,7 +25,9 @@ model_sizes = mesh_sizes(("model",)).map(lambda s: s["model"])
 
 def _gpt(seed, dropout):
     # 8 heads, MLP width 32 and vocabulary 16 all split over up to 8 devices.
-    return GPT(VOCAB, CONTEXT, dim=16, num_heads=8, num_layers=1, mlp_ratio=2, dropout_p=dropout, key=jax.random.key(seed))
+    return GPT(
+        VOCAB, CONTEXT, dim=16, num_heads=8, num_layers=1, mlp_ratio=2, dropout_p=dropout, key=jax.random.key(seed)
+    )
 
 
 @functools.cache
@@ -75,9 +77,9 @@ def test_next_token_loss_equals_optax_on_whole_logits():
     # The real vocabulary's logits (the GPT pads its vocabulary; whole_logits drops the pad).
     whole_logits = eqxpar.models.whole_logits(model, mesh, specs)(tokens[:, :-1])
     assert whole_logits.shape == (2, CONTEXT, VOCAB)
-    loss = eqx.filter_jit(
-        eqxpar.filter_shard_map(next_token_loss, mesh=mesh, in_specs=(specs, P()), out_specs=P())
-    )(model, tokens)
+    loss = eqx.filter_jit(eqxpar.filter_shard_map(next_token_loss, mesh=mesh, in_specs=(specs, P()), out_specs=P()))(
+        model, tokens
+    )
     want = optax.softmax_cross_entropy_with_integer_labels(whole_logits, tokens[:, 1:]).mean()
     assert_trees_close(loss, want, what="next_token_loss")
 

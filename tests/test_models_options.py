@@ -28,8 +28,17 @@ few = settings(max_examples=max(2, settings.default.max_examples // 3))
 
 
 def _gpt(seed, *, vocab=16, dropout=0.0, **options):
-    return GPT(vocab, CONTEXT, dim=16, num_heads=8, num_layers=2, mlp_ratio=2, dropout_p=dropout,
-               key=jax.random.key(seed), **options)
+    return GPT(
+        vocab,
+        CONTEXT,
+        dim=16,
+        num_heads=8,
+        num_layers=2,
+        mlp_ratio=2,
+        dropout_p=dropout,
+        key=jax.random.key(seed),
+        **options,
+    )
 
 
 def _tokens(seed, vocab=16, batch=3):
@@ -77,7 +86,8 @@ def test_scanned_blocks_equal_the_python_loop(n, seed, dropout, remat):
     assert_trees_close(loss, want_loss, what=f"scanned loss (model={n}, remat={remat})")
     # Leaf by leaf (the two models differ in a static field, remat, so not in structure).
     assert_trees_close(
-        jax.tree.leaves(unstack_blocks(grads)), jax.tree.leaves(want_grads),
+        jax.tree.leaves(unstack_blocks(grads)),
+        jax.tree.leaves(want_grads),
         what=f"scanned gradients (model={n}, remat={remat})",
     )
 
@@ -86,8 +96,11 @@ def test_scan_layers_flag_builds_the_stacked_form_of_the_same_weights():
     scanned = _gpt(3, scan_layers=True)
     assert isinstance(scanned.blocks, nn.StackedLayers) and len(scanned.blocks) == 2
     assert_trees_close(
-        eqx.filter(unstack_blocks(scanned), eqx.is_array), eqx.filter(_gpt(3), eqx.is_array),
-        rtol=0, atol=0, what="scan_layers=True vs stack_blocks",
+        eqx.filter(unstack_blocks(scanned), eqx.is_array),
+        eqx.filter(_gpt(3), eqx.is_array),
+        rtol=0,
+        atol=0,
+        what="scan_layers=True vs stack_blocks",
     )
     specs = nn.partition_specs(scanned, eqxpar.make_mesh(model=4))
     assert specs.blocks.layers.attention.query_proj.weight == P(None, "model", None)
@@ -106,7 +119,8 @@ def test_fused_attention_equals_reference(n, seed):
     assert fused.blocks[0].attention.attention_impl == "dot_product"
     tokens = _tokens(seed)
     assert_trees_close(
-        jax.tree.leaves(_run(fused, n, tokens)), jax.tree.leaves(_run(reference, n, tokens)),
+        jax.tree.leaves(_run(fused, n, tokens)),
+        jax.tree.leaves(_run(reference, n, tokens)),
         what=f"dot_product vs reference loss and gradients (model={n})",
     )
 
@@ -142,8 +156,12 @@ def test_padding_never_reaches_logits_users_see():
     whole = eqxpar.models.whole_logits(model, mesh, specs)(tokens)
     np.testing.assert_array_equal(whole, padded[..., :13])
     sampled = eqxpar.models.generate(
-        eqxpar.models.whole_logits(model, mesh, specs), np.array([1]), 6, context_length=CONTEXT,
-        key=jax.random.key(0), temperature=100.0,  # nearly uniform: pads would show up if sampled
+        eqxpar.models.whole_logits(model, mesh, specs),
+        np.array([1]),
+        6,
+        context_length=CONTEXT,
+        key=jax.random.key(0),
+        temperature=100.0,  # nearly uniform: pads would show up if sampled
     )
     assert sampled.max() < 13
 

@@ -34,12 +34,20 @@ def test_linear_layers_on_batches(n, use_bias, gather_output, seed):
     x = _normal(rng, 2, INNER, 5)
     out_spec = P() if gather_output else P(None, None, "model")
     assert_parallel_equals_dense(
-        column, dense, [x], n, call=lambda layer, x: layer(x), dense_call=_map_dense(lambda l, x: l(x)), out_spec=out_spec
+        column,
+        dense,
+        [x],
+        n,
+        call=lambda layer, x: layer(x),
+        dense_call=_map_dense(lambda l, x: l(x)),
+        out_spec=out_spec,
     )
     dense = _dense(eqx.nn.Linear, 2 * n, 5, use_bias, rng=rng)
     row = nn.RowParallelLinear.from_dense(dense, input_is_split=False)
     x = _normal(rng, 2, INNER, 2 * n)
-    assert_parallel_equals_dense(row, dense, [x], n, call=lambda layer, x: layer(x), dense_call=_map_dense(lambda l, x: l(x)))
+    assert_parallel_equals_dense(
+        row, dense, [x], n, call=lambda layer, x: layer(x), dense_call=_map_dense(lambda l, x: l(x))
+    )
 
 
 @given(n=model_sizes, activation=st.sampled_from([jax.nn.relu, jax.nn.gelu]), seed=st.integers(0, 2**16))
@@ -71,7 +79,10 @@ def test_attention_on_batches(n, mask, impl, seed):
     if mask == "per-head":
         masks = (rng.random((2, INNER, heads, seq, seq)) < 0.6) | np.eye(seq, dtype=bool)
         assert_parallel_equals_dense(
-            tp, dense, [x, masks], n,
+            tp,
+            dense,
+            [x, masks],
+            n,
             call=lambda layer, x, m: layer(x, mask=m),
             dense_call=_map_dense(lambda l, x, m: l(x, x, x, m)),
         )
@@ -89,7 +100,11 @@ def test_embedding_on_batches(n, seed):
     dense = _dense(eqx.nn.Embedding, 3 * n, 5, rng=rng)
     ids = rng.integers(0, 3 * n, (2, INNER, 7)).astype(np.int32)
     assert_parallel_equals_dense(
-        nn.from_dense(dense), dense, [ids], n, call=lambda layer, i: layer(i),
+        nn.from_dense(dense),
+        dense,
+        [ids],
+        n,
+        call=lambda layer, i: layer(i),
         dense_call=_map_dense(lambda l, i: jax.vmap(l)(i)),
     )
 

@@ -21,7 +21,9 @@ def _forward_and_backward(layer, inputs, n, *, out_spec=P()):
     specs = nn.partition_specs(layer, mesh)
     forward = eqxpar.filter_shard_map(
         lambda layer, *inputs: jax.vmap(layer)(*inputs),
-        mesh=mesh, in_specs=(specs, *(P() for _ in inputs)), out_specs=out_spec,
+        mesh=mesh,
+        in_specs=(specs, *(P() for _ in inputs)),
+        out_specs=out_spec,
     )
     placed = eqxpar.shard(layer, mesh, specs)
     # A loss whose gradient depends on the output, as in training: with a loss linear in the

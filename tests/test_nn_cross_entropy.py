@@ -29,7 +29,9 @@ def _parallel(n, batch_ndim):
     logits_spec = P(*([None] * batch_ndim), "model")  # each device: its block of the vocabulary
     return eqxpar.filter_shard_map(
         lambda logits, labels: vocab_parallel_cross_entropy(logits, labels, "model"),
-        mesh=mesh, in_specs=(logits_spec, P()), out_specs=P(),
+        mesh=mesh,
+        in_specs=(logits_spec, P()),
+        out_specs=P(),
     )
 
 
@@ -111,7 +113,9 @@ def test_gathering_the_logits_is_caught():
         lambda l, y: optax.softmax_cross_entropy_with_integer_labels(
             jax.lax.all_gather(l, "model", axis=1, tiled=True, to="invarying"), y
         ),
-        mesh=mesh, in_specs=(P(None, "model"), P()), out_specs=P(),
+        mesh=mesh,
+        in_specs=(P(None, "model"), P()),
+        out_specs=P(),
     )
     labels = jnp.zeros((6,), jnp.int32)
     report = communication_report(jax.grad(lambda l: jnp.sum(naive(l, labels))), jnp.zeros((6, 64)))

@@ -27,7 +27,9 @@ def _hidden_masks(mlp, x, key, n):
     specs = nn.partition_specs(mlp, mesh)
     forward = eqxpar.filter_shard_map(
         lambda mlp, x, key_data: mlp(x, key=jax.random.wrap_key_data(key_data, impl=IMPL)),
-        mesh=mesh, in_specs=(specs, P(), P()), out_specs=P(),
+        mesh=mesh,
+        in_specs=(specs, P(), P()),
+        out_specs=P(),
     )
     grads = eqx.filter_jit(eqx.filter_grad(lambda mlp: jnp.sum(forward(mlp, x, jax.random.key_data(key)))))(mlp)
     kept = np.any(np.asarray(grads.hidden.weight) != 0, axis=1)
@@ -56,8 +58,13 @@ def test_mlp_dropout_off_in_inference_mode():
     mesh = eqxpar.make_mesh(model=n)
     specs = nn.partition_specs(mlp, mesh)
     run = eqxpar.filter_shard_map(
-        lambda mlp, x, k: (mlp(x, key=jax.random.wrap_key_data(k, impl=IMPL), inference=True), mlp(x, key=None, inference=True)),
-        mesh=mesh, in_specs=(specs, P(), P()), out_specs=P(),
+        lambda mlp, x, k: (
+            mlp(x, key=jax.random.wrap_key_data(k, impl=IMPL), inference=True),
+            mlp(x, key=None, inference=True),
+        ),
+        mesh=mesh,
+        in_specs=(specs, P(), P()),
+        out_specs=P(),
     )
     with_key, without = run(mlp, x, jax.random.key_data(jax.random.key(3, impl=IMPL)))
     assert_trees_close(with_key, without, rtol=0, atol=0)

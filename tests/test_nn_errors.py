@@ -76,7 +76,9 @@ def test_wrong_input_shapes():
     mesh = eqxpar.make_mesh(model=2)
     row = nn.RowParallelLinear(8, 3, key=KEY)  # expects its block: 4 features
     f = eqxpar.filter_shard_map(lambda l, x: jax.vmap(l)(x), mesh=mesh, in_specs=(row.specs(), P()), out_specs=P())
-    with pytest.raises(ValueError, match=r"this device's block of the input, shape \(4,\), got \(8,\).*input_is_split=False"):
+    with pytest.raises(
+        ValueError, match=r"this device's block of the input, shape \(4,\), got \(8,\).*input_is_split=False"
+    ):
         f(row, jnp.zeros((2, 8)))
     with pytest.raises(ValueError, match="labels have shape"):
         nn.vocab_parallel_cross_entropy(jnp.zeros((2, 8)), jnp.zeros(3, jnp.int32))

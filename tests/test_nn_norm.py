@@ -52,6 +52,7 @@ def test_layer_norm_equals_eqx_and_autodiff(lead, dim, use_weight, use_bias, see
     x = 3 * jax.random.normal(jax.random.key(seed + 1), (*lead, dim)) + 1
     np.testing.assert_array_equal(layer_norm(norm, x), _plain(norm, x))
     cotangent = jax.random.normal(jax.random.key(seed + 2), x.shape)
+
     def loss(f):
         return lambda n, x: jnp.sum(f(n, x) * cotangent)
 

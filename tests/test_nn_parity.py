@@ -47,9 +47,7 @@ def assert_parallel_equals_dense(tp_layer, dense_layer, inputs, n, *, call, dens
     def dense_batched(layer, *inputs):
         return jax.vmap(lambda *example: dense_call(layer, *example))(*inputs)
 
-    parallel = eqxpar.filter_shard_map(
-        batched, mesh=mesh, in_specs=(specs, *(P() for _ in inputs)), out_specs=out_spec
-    )
+    parallel = eqxpar.filter_shard_map(batched, mesh=mesh, in_specs=(specs, *(P() for _ in inputs)), out_specs=out_spec)
     out_shape = eqx.filter_eval_shape(dense_batched, dense_layer, *inputs)
     cotangent = np.random.default_rng(99).normal(size=out_shape.shape).astype(out_shape.dtype)
     out, (layer_grads, input_grads) = eqx.filter_jit(_outputs_and_grads)(
@@ -57,7 +55,9 @@ def assert_parallel_equals_dense(tp_layer, dense_layer, inputs, n, *, call, dens
     )
     ref_out, (ref_layer_grads, ref_input_grads) = on_one_device(
         lambda layer, inputs, cot: _outputs_and_grads(dense_batched, layer, inputs, cot),
-        dense_layer, tuple(inputs), cotangent,
+        dense_layer,
+        tuple(inputs),
+        cotangent,
     )
     assert_trees_close(out, ref_out, what=f"{type(tp_layer).__name__} output (model={n})")
     assert_trees_close(
@@ -79,9 +79,11 @@ def _dense(cls, *args, rng, **kwargs):
     eagerly would compile a dozen small programs per example."""
     shapes = eqx.filter_eval_shape(cls, *args, **kwargs, key=jax.random.key(0))
     return jax.tree.map(
-        lambda s: (_normal(rng, *s.shape) / np.sqrt(s.shape[-1])).astype(s.dtype)
-        if isinstance(s, jax.ShapeDtypeStruct)
-        else s,
+        lambda s: (
+            (_normal(rng, *s.shape) / np.sqrt(s.shape[-1])).astype(s.dtype)
+            if isinstance(s, jax.ShapeDtypeStruct)
+            else s
+        ),
         shapes,
     )
 
@@ -159,7 +161,9 @@ def test_parallel_mlp_equals_dense(n, sizes, per_device, use_bias, use_final_bia
     seed=st.integers(0, 2**16),
 )
 @example(n=4, heads_per_device=2, qk_vo=(2, 3), self_attention=True, mask="causal", biases=True, dropout=False, seed=1)
-@example(n=8, heads_per_device=1, qk_vo=(4, 4), self_attention=False, mask="per-head", biases=False, dropout=True, seed=2)
+@example(
+    n=8, heads_per_device=1, qk_vo=(4, 4), self_attention=False, mask="per-head", biases=False, dropout=True, seed=2
+)
 def test_parallel_attention_equals_dense(n, heads_per_device, qk_vo, self_attention, mask, biases, dropout, seed):
     """With dropout too: each device uses its heads' keys from `split(key, num_heads)`, as
     eqx.nn.MultiheadAttention does, so even the dropped weights match at every model size."""
@@ -168,9 +172,20 @@ def test_parallel_attention_equals_dense(n, heads_per_device, qk_vo, self_attent
     query_size, kv_size, q_seq = 6, (6 if self_attention else 5), 4
     kv_seq = q_seq if self_attention else 7
     dense = _dense(
-        eqx.nn.MultiheadAttention, heads, query_size, kv_size, kv_size, 5, qk_size, vo_size,
-        use_query_bias=biases, use_key_bias=biases, use_value_bias=biases, use_output_bias=biases,
-        dropout_p=0.4 if dropout else 0.0, rng=rng,
+        eqx.nn.MultiheadAttention,
+        heads,
+        query_size,
+        kv_size,
+        kv_size,
+        5,
+        qk_size,
+        vo_size,
+        use_query_bias=biases,
+        use_key_bias=biases,
+        use_value_bias=biases,
+        use_output_bias=biases,
+        dropout_p=0.4 if dropout else 0.0,
+        rng=rng,
     )
     tp = nn.ParallelMultiheadAttention.from_dense(dense, causal=mask == "causal")
     # The parallel layer applies its causal flag itself; the dense one gets the same mask.
@@ -188,14 +203,20 @@ def test_parallel_attention_equals_dense(n, heads_per_device, qk_vo, self_attent
     if self_attention:
         # One input for query, key and value: the parallel layer shares one backward psum.
         assert_parallel_equals_dense(
-            tp, dense, [query, keys], n,
+            tp,
+            dense,
+            [query, keys],
+            n,
             call=lambda layer, x, k: layer(x, mask=tp_mask, key=key(k)),
             dense_call=lambda layer, x, k: layer(x, x, x, dense_mask, key=key(k)),
         )
     else:
         kv = _normal(rng, 2, kv_seq, kv_size)
         assert_parallel_equals_dense(
-            tp, dense, [query, kv, keys], n,
+            tp,
+            dense,
+            [query, kv, keys],
+            n,
             call=lambda layer, q, kv, k: layer(q, kv, kv, tp_mask, key=key(k)),
             dense_call=lambda layer, q, kv, k: layer(q, kv, kv, dense_mask, key=key(k)),
         )
@@ -234,7 +255,10 @@ def test_bias_before_psum_is_caught_by_parity():
 
 _DENSE_AND_PARALLEL = [
     (lambda k: eqx.nn.Linear(8, 16, key=k), lambda k: nn.ColumnParallelLinear(8, 16, key=k)),
-    (lambda k: eqx.nn.Linear(16, 8, use_bias=False, key=k), lambda k: nn.RowParallelLinear(16, 8, use_bias=False, key=k)),
+    (
+        lambda k: eqx.nn.Linear(16, 8, use_bias=False, key=k),
+        lambda k: nn.RowParallelLinear(16, 8, use_bias=False, key=k),
+    ),
     (lambda k: eqx.nn.MLP(6, 4, 16, 1, key=k), lambda k: nn.ParallelMLP(6, 4, 16, key=k)),
     (
         lambda k: eqx.nn.MultiheadAttention(8, 16, use_query_bias=True, use_output_bias=True, key=k),

@@ -103,11 +103,18 @@ def test_parallelized_model_trains_as_the_dense_model_on_one_device(sizes, shape
     mesh = eqxpar.make_mesh(**sizes)
     heads = shape["heads_per_device"] * sizes["model"]
     model = PlainLM(
-        shape["vocab"], heads * shape["head_dim"], heads, shape["width_per_device"] * sizes["model"],
-        shape["layers"], shape["bias"], jax.random.key(seed),
+        shape["vocab"],
+        heads * shape["head_dim"],
+        heads,
+        shape["width_per_device"] * sizes["model"],
+        shape["layers"],
+        shape["bias"],
+        jax.random.key(seed),
     )
     rng = np.random.default_rng(seed)
-    batches = [rng.integers(0, shape["vocab"], (2 * sizes["data"], shape["seq"] + 1)).astype(np.int32) for _ in range(2)]
+    batches = [
+        rng.integers(0, shape["vocab"], (2 * sizes["data"], shape["seq"] + 1)).astype(np.int32) for _ in range(2)
+    ]
 
     # Reference: the dense model, one device, eqx.filter_jit, the same optax optimizer.
     dense, opt_state = copy(model), OPTIMIZER.init(eqx.filter(model, eqx.is_inexact_array))
@@ -119,8 +126,10 @@ def test_parallelized_model_trains_as_the_dense_model_on_one_device(sizes, shape
     parallel = eqxpar.nn.parallelize(copy(model), EXPLICIT if explicit else None, mesh=mesh)
     assert bool(eqx.tree_equal(eqxpar.nn.to_dense(parallel), model))  # the same arrays, dense again
     # Something is split whenever the model axis is real.
-    n_split = sum(isinstance(x, eqxpar.nn.TensorParallelLayer) for x in jax.tree.leaves(
-        parallel, is_leaf=lambda x: isinstance(x, eqxpar.nn.TensorParallelLayer)))
+    n_split = sum(
+        isinstance(x, eqxpar.nn.TensorParallelLayer)
+        for x in jax.tree.leaves(parallel, is_leaf=lambda x: isinstance(x, eqxpar.nn.TensorParallelLayer))
+    )
     # embedding + attention and MLP per block (explicit: the MLP as two Linears, and the head)
     assert n_split == (2 + 3 * shape["layers"] if explicit else 1 + 2 * shape["layers"])
 

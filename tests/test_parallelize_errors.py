@@ -44,15 +44,23 @@ def plan_error(plan, **kwargs):
         ({"blocks[0].mlp": "mlp", "blocks[0].mlp.layers[0]": "column"}, {}, "blocks[0].mlp", "overlap"),
         # A Linear inside a MultiheadAttention split on its own: MHA's reshape into heads
         # would cut across devices' slices and train silently wrong (issue 20: loss 3.5e-3 off).
-        ({"blocks[1].attention.value_proj": "column", "blocks[1].attention.output_proj": "row"}, {},
-         "blocks[1].attention.value_proj", "plan {'blocks[1].attention': 'attention'}"),
+        (
+            {"blocks[1].attention.value_proj": "column", "blocks[1].attention.output_proj": "row"},
+            {},
+            "blocks[1].attention.value_proj",
+            "plan {'blocks[1].attention': 'attention'}",
+        ),
         ({lambda m: m.blocks[0].mlp.activation: "replicate"}, {}, "", "not a layer"),
         ({lambda m: m.nothing: "mlp"}, {}, "", "failed on the model"),
         ("everything", {}, "", "plan must be None"),
         # Sizes the model axis does not divide, with the mesh given: here, not at compile.
         (None, {"mesh": "model=8"}, "blocks[0].attention", "num_heads=4 is not divisible by the size 8"),
-        ({"blocks[*].mlp.layers[0]": "column", "blocks[*].mlp.layers[1]": "row"}, {"mesh": "model=3", "axis_name": "model"},
-         "blocks[0].mlp.layers[0]", "out_features=16"),
+        (
+            {"blocks[*].mlp.layers[0]": "column", "blocks[*].mlp.layers[1]": "row"},
+            {"mesh": "model=3", "axis_name": "model"},
+            "blocks[0].mlp.layers[0]",
+            "out_features=16",
+        ),
         (None, {"mesh": "data=8"}, "", "has no axis 'model'"),
     ],
 )
@@ -80,8 +88,12 @@ def test_auto_plan_table_and_mapping():
     parallel, plan = eqxpar.nn.parallelize(model, mesh=eqxpar.make_mesh(data=2, model=4), return_plan=True)
     assert dict(plan) == {
         "embedding": "vocab",
-        "blocks[0].norm": "replicate", "blocks[0].attention": "attention", "blocks[0].mlp": "mlp",
-        "blocks[1].norm": "replicate", "blocks[1].attention": "attention", "blocks[1].mlp": "mlp",
+        "blocks[0].norm": "replicate",
+        "blocks[0].attention": "attention",
+        "blocks[0].mlp": "mlp",
+        "blocks[1].norm": "replicate",
+        "blocks[1].attention": "attention",
+        "blocks[1].mlp": "mlp",
         "head": "replicate",
     }
     assert dict(eqxpar.nn.auto_plan(model)) == dict(plan)
@@ -121,7 +133,9 @@ def test_auto_plan_keeps_deeper_mlps_and_parallel_layers_whole():
     with pytest.raises(ValueError, match="already tensor-parallel"):
         eqxpar.nn.parallelize(model, {"[1]": "mlp"})
     # Explicit plans leave layers that are already tensor-parallel as they are.
-    assert bool(eqx.tree_equal(eqxpar.nn.parallelize(model, {"[0].layers[0]": "column", "[0].layers[1]": "row"})[1], model[1]))
+    assert bool(
+        eqx.tree_equal(eqxpar.nn.parallelize(model, {"[0].layers[0]": "column", "[0].layers[1]": "row"})[1], model[1])
+    )
     assert bool(eqx.tree_equal(eqxpar.nn.parallelize(model, {"<root>": "replicate"}), model))
 
 
@@ -142,11 +156,17 @@ def test_sizes_are_checked_against_the_mesh_before_anything_compiles(model_size,
     model = tp.PlainLM(vocab=vocab, dim=heads, heads=heads, width=width, layers=1, bias=False, key=jax.random.key(0))
     mesh = eqxpar.make_mesh(model=model_size)
     # The first layer (in field order) whose split size the axis does not divide.
-    sizes = [("embedding", "num_embeddings", vocab), ("blocks[0].attention", "num_heads", heads), ("blocks[0].mlp", "width_size", width)]
+    sizes = [
+        ("embedding", "num_embeddings", vocab),
+        ("blocks[0].attention", "num_heads", heads),
+        ("blocks[0].mlp", "width_size", width),
+    ]
     bad = [(path, what, n) for path, what, n in sizes if n % model_size]
     if bad:
         path, what, n = bad[0]
-        with pytest.raises(ValueError, match=re.escape(f"at {path}: {what}={n} is not divisible by the size {model_size}")):
+        with pytest.raises(
+            ValueError, match=re.escape(f"at {path}: {what}={n} is not divisible by the size {model_size}")
+        ):
             eqxpar.nn.parallelize(model, mesh=mesh)
         # Without the mesh, partition_specs raises the same error, naming the same path.
         with pytest.raises(ValueError, match=re.escape(path)):

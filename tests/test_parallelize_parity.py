@@ -65,7 +65,9 @@ def test_models_that_do_not_belong_together_are_refused():
     with pytest.raises(ValueError, match="start from different parameters"):
         check_parallel_parity(dense_model(), eqxpar.nn.parallelize(other), tp.loss_fn, OPTIMIZER, mesh, tokens())
     with pytest.raises(ValueError, match="does not have dense_model's structure"):
-        check_parallel_parity(dense_model(), eqxpar.nn.parallelize(dense_model().head), tp.loss_fn, OPTIMIZER, mesh, tokens())
+        check_parallel_parity(
+            dense_model(), eqxpar.nn.parallelize(dense_model().head), tp.loss_fn, OPTIMIZER, mesh, tokens()
+        )
     with pytest.raises(ValueError, match="steps must be a positive integer"):
         check_parallel_parity(dense_model(), dense_model(), tp.loss_fn, OPTIMIZER, mesh, tokens(), steps=0)
 

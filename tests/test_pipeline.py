@@ -30,8 +30,17 @@ OPTIMIZER = optax.sgd(0.1, momentum=0.9)
 
 
 def tiny_gpt(layers: int, seed: int) -> GPT:
-    return GPT(VOCAB, SEQ, dim=16, num_heads=2, num_layers=layers, mlp_ratio=2, scan_layers=True,
-               pad_vocab_to_multiple_of=8, key=jax.random.key(seed))
+    return GPT(
+        VOCAB,
+        SEQ,
+        dim=16,
+        num_heads=2,
+        num_layers=layers,
+        mlp_ratio=2,
+        scan_layers=True,
+        pad_vocab_to_multiple_of=8,
+        key=jax.random.key(seed),
+    )
 
 
 def token_batches(rows: int, steps: int, seed: int):
@@ -43,9 +52,14 @@ def one_device_run(model, batches):
     """Plain Equinox + optax on one device (the GPT's own call, not the pipeline's Stages)."""
     mesh = eqxpar.make_mesh(model=1)
     specs = eqxpar.nn.partition_specs(model)
-    value_and_grad = eqx.filter_jit(eqxpar.filter_shard_map(
-        eqx.filter_value_and_grad(lambda m, b: next_token_loss(m, b)),
-        mesh=mesh, in_specs=(specs, P()), out_specs=(P(), specs)))
+    value_and_grad = eqx.filter_jit(
+        eqxpar.filter_shard_map(
+            eqx.filter_value_and_grad(lambda m, b: next_token_loss(m, b)),
+            mesh=mesh,
+            in_specs=(specs, P()),
+            out_specs=(P(), specs),
+        )
+    )
     opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_inexact_array))
     losses, first_grads = [], None
     for batch in batches:
@@ -60,8 +74,9 @@ def one_device_run(model, batches):
 @functools.cache
 def cached_step(schedule, sizes, microbatches, virtual_stages):
     mesh = eqxpar.make_mesh(**dict(sizes))
-    return pipeline_step(gpt_stages(), OPTIMIZER, mesh, schedule=schedule, microbatches=microbatches,
-                         virtual_stages=virtual_stages)
+    return pipeline_step(
+        gpt_stages(), OPTIMIZER, mesh, schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages
+    )
 
 
 def pipeline_run(model, batches, step):
@@ -106,8 +121,13 @@ def test_pipeline_matches_one_device(config, seed, steps):
     want_norm = float(optax.tree.norm(eqx.filter(want_grads, eqx.is_inexact_array)))
     np.testing.assert_allclose(norms[0], want_norm, rtol=1e-5)
     # K steps of momentum SGD: the updated parameters carry the gradients of every step.
-    assert_trees_close(eqx.filter(got, eqx.is_inexact_array), eqx.filter(want, eqx.is_inexact_array),
-                       rtol=1e-4, atol=1e-6, what=f"{schedule} parameters after {steps} steps")
+    assert_trees_close(
+        eqx.filter(got, eqx.is_inexact_array),
+        eqx.filter(want, eqx.is_inexact_array),
+        rtol=1e-4,
+        atol=1e-6,
+        what=f"{schedule} parameters after {steps} steps",
+    )
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "circular"] if THOROUGH else ["gpipe"])
@@ -125,18 +145,38 @@ def test_dropout_keys_are_folded_per_data_shard_and_micro_batch(schedule):
     batch = token_batches(shards * micro * 2, 1, seed)[0]
 
     def dropout_gpt():
-        return GPT(VOCAB, SEQ, dim=16, num_heads=2, num_layers=layers, mlp_ratio=2, scan_layers=True,
-                   pad_vocab_to_multiple_of=8, dropout_p=0.25, key=jax.random.key(seed))
+        return GPT(
+            VOCAB,
+            SEQ,
+            dim=16,
+            num_heads=2,
+            num_layers=layers,
+            mlp_ratio=2,
+            scan_layers=True,
+            pad_vocab_to_multiple_of=8,
+            dropout_p=0.25,
+            key=jax.random.key(seed),
+        )
 
     want = dropout_gpt()
     specs = eqxpar.nn.partition_specs(want)
     # One compile, called for each shard's micro-batches (rows i, i+M, ... of the shard).
-    one_micro_batch = eqx.filter_jit(eqxpar.filter_shard_map(
-        eqx.filter_value_and_grad(lambda m, b, k: gpt_stages().loss(m, b, k)), mesh=eqxpar.make_mesh(model=1),
-        in_specs=(specs, P(), P()), out_specs=(P(), specs)))
+    one_micro_batch = eqx.filter_jit(
+        eqxpar.filter_shard_map(
+            eqx.filter_value_and_grad(lambda m, b, k: gpt_stages().loss(m, b, k)),
+            mesh=eqxpar.make_mesh(model=1),
+            in_specs=(specs, P(), P()),
+            out_specs=(P(), specs),
+        )
+    )
     rows = batch.shape[0] // shards
-    pairs = [one_micro_batch(want, batch[d * rows:(d + 1) * rows][i::micro], jax.random.fold_in(jax.random.fold_in(key, d), i))
-             for d in range(shards) for i in range(micro)]
+    pairs = [
+        one_micro_batch(
+            want, batch[d * rows : (d + 1) * rows][i::micro], jax.random.fold_in(jax.random.fold_in(key, d), i)
+        )
+        for d in range(shards)
+        for i in range(micro)
+    ]
     want_loss = sum(loss for loss, _ in pairs) / len(pairs)
     grads = jax.tree.map(lambda *g: sum(g) / len(g), *[eqx.filter(g, eqx.is_inexact_array) for _, g in pairs])
     updates, _ = OPTIMIZER.update(grads, OPTIMIZER.init(eqx.filter(want, eqx.is_inexact_array)))
@@ -147,8 +187,13 @@ def test_dropout_keys_are_folded_per_data_shard_and_micro_batch(schedule):
     got, _, metrics = step(model, opt_state, shard_batch(batch, step.mesh, batch_axis="data"), key=key)
     np.testing.assert_allclose(float(metrics["loss"]), float(want_loss), rtol=1e-5)
     np.testing.assert_allclose(float(metrics["grad_norm"]), float(optax.tree.norm(grads)), rtol=1e-5)
-    assert_trees_close(eqx.filter(got, eqx.is_inexact_array), eqx.filter(want, eqx.is_inexact_array),
-                       rtol=1e-4, atol=1e-6, what=f"{schedule} parameters after a dropout step")
+    assert_trees_close(
+        eqx.filter(got, eqx.is_inexact_array),
+        eqx.filter(want, eqx.is_inexact_array),
+        rtol=1e-4,
+        atol=1e-6,
+        what=f"{schedule} parameters after a dropout step",
+    )
 
 
 def _first_step_loss_and_params(step, seed=3, layers=4):
@@ -172,6 +217,7 @@ def test_a_dropped_ppermute_or_doubled_micro_batch_is_caught(schedule, mutation,
     elif mutation == "drop_backward":
         monkeypatch.setattr(run_module.PipelinePlan, "backward_perm", lambda self: [(s, s) for s in range(self.P)])
     else:
+
         def doubled(*args):
             table = make_schedule(*args)
             for t in (table.forward, table.backward):
@@ -184,8 +230,13 @@ def test_a_dropped_ppermute_or_doubled_micro_batch_is_caught(schedule, mutation,
     step = pipeline_step(gpt_stages(), OPTIMIZER, mesh, schedule=schedule, microbatches=4, virtual_stages=virtual)
     got, losses, want, want_losses = _first_step_loss_and_params(step)
     same_loss = np.allclose(losses, want_losses, rtol=1e-5)
-    same_params = all(np.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(
-        jax.tree.leaves(eqx.filter(got, eqx.is_inexact_array)), jax.tree.leaves(eqx.filter(want, eqx.is_inexact_array))))
+    same_params = all(
+        np.allclose(a, b, rtol=1e-4, atol=1e-6)
+        for a, b in zip(
+            jax.tree.leaves(eqx.filter(got, eqx.is_inexact_array)),
+            jax.tree.leaves(eqx.filter(want, eqx.is_inexact_array)),
+        )
+    )
     assert not (same_loss and same_params)
 
 
@@ -216,7 +267,9 @@ def test_fsdp_inside_stages_matches_one_device(schedule):
     mesh = eqxpar.make_mesh(stage=2, data=2, model=2)
 
     def specs(m):
-        return fsdp_specs(m, mesh, batch_axis="data", param_specs=pipeline_specs(gpt_stages(), m, eqxpar.nn.partition_specs(m)))
+        return fsdp_specs(
+            m, mesh, batch_axis="data", param_specs=pipeline_specs(gpt_stages(), m, eqxpar.nn.partition_specs(m))
+        )
 
     step = pipeline_step(gpt_stages(), OPTIMIZER, mesh, schedule=schedule, microbatches=2, param_specs=specs)
     batches = token_batches(8, 2, 5)
@@ -224,8 +277,13 @@ def test_fsdp_inside_stages_matches_one_device(schedule):
     got, losses, _ = pipeline_run(tiny_gpt(2, 5), batches, step)
     assert "data" in jax.tree.leaves(got.blocks)[0].sharding.spec[1:]
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-    assert_trees_close(eqx.filter(got, eqx.is_inexact_array), eqx.filter(want, eqx.is_inexact_array),
-                       rtol=1e-4, atol=1e-6, what=f"{schedule} FSDP-in-stages parameters")
+    assert_trees_close(
+        eqx.filter(got, eqx.is_inexact_array),
+        eqx.filter(want, eqx.is_inexact_array),
+        rtol=1e-4,
+        atol=1e-6,
+        what=f"{schedule} FSDP-in-stages parameters",
+    )
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"] if THOROUGH else ["1f1b"])
@@ -238,7 +296,11 @@ def test_one_gradient_reduction_per_step_not_per_micro_batch(schedule):
     mesh = eqxpar.make_mesh(stage=2, data=2, model=1)
     step = pipeline_step(gpt_stages(), OPTIMIZER, mesh, schedule=schedule, microbatches=4)
     model, opt_state = step.init(tiny_gpt(2, 0))
-    text = step.lower(model, opt_state, shard_batch(token_batches(8, 1, 0)[0], mesh, batch_axis="data")).compile().as_text()
+    text = (
+        step.lower(model, opt_state, shard_batch(token_batches(8, 1, 0)[0], mesh, batch_axis="data"))
+        .compile()
+        .as_text()
+    )
     entry, in_loops, at_top = None, [], []
     for line in text.splitlines():
         header = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)

@@ -42,7 +42,9 @@ def test_not_stages(mesh):
 
 def test_layers_that_do_not_split_and_unstacked_blocks(mesh):
     step = pipeline_step(gpt_stages(), OPT, mesh, microbatches=2)
-    model = GPT(16, 4, dim=8, num_heads=2, num_layers=3, scan_layers=True, pad_vocab_to_multiple_of=8, key=jax.random.key(0))
+    model = GPT(
+        16, 4, dim=8, num_heads=2, num_layers=3, scan_layers=True, pad_vocab_to_multiple_of=8, key=jax.random.key(0)
+    )
     with pytest.raises(ValueError, match="3 layers do not split into 2 stages"):
         step.init(model)
     unstacked = GPT(16, 4, dim=8, num_heads=2, num_layers=2, pad_vocab_to_multiple_of=8, key=jax.random.key(0))
@@ -52,7 +54,9 @@ def test_layers_that_do_not_split_and_unstacked_blocks(mesh):
 
 def test_batch_that_does_not_split_into_micro_batches(mesh):
     step = pipeline_step(gpt_stages(), OPT, mesh, microbatches=3)
-    model = GPT(16, 4, dim=8, num_heads=2, num_layers=2, scan_layers=True, pad_vocab_to_multiple_of=8, key=jax.random.key(0))
+    model = GPT(
+        16, 4, dim=8, num_heads=2, num_layers=2, scan_layers=True, pad_vocab_to_multiple_of=8, key=jax.random.key(0)
+    )
     model, opt_state = step.init(model)
     with pytest.raises(ValueError, match="divisible"):
         step(model, opt_state, shard_batch(jnp.zeros((4, 5), jnp.int32), mesh, batch_axis="data"))

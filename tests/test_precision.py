@@ -42,10 +42,13 @@ def run(step, steps, axis="data"):
 
 
 # The FSDP step casts on the gathered weights as well: the default run's case; hybrid under thorough.
-@pytest.mark.parametrize("builder, axes", [
-    pytest.param(hybrid_step, {"data": 2, "model": 4}, marks=pytest.mark.thorough),
-    (fsdp_step, {"fsdp": 4, "model": 2}),
-])
+@pytest.mark.parametrize(
+    "builder, axes",
+    [
+        pytest.param(hybrid_step, {"data": 2, "model": 4}, marks=pytest.mark.thorough),
+        (fsdp_step, {"fsdp": 4, "model": 2}),
+    ],
+)
 def test_float32_policy_is_bitwise_the_default(builder, axes):
     axis = next(iter(axes))
     m = mesh(**axes)
@@ -71,7 +74,9 @@ def test_bfloat16_compute_tracks_float32_over_100_steps():
     assert np.max(np.abs(bf16 - fp32)) < 0.05
     np.testing.assert_allclose(bf16[-20:].mean(), fp32[-20:].mean(), rtol=0.01)
     # Master weights stay float32; the matmuls ran in bfloat16.
-    assert {x.dtype for x in jax.tree.leaves(model) if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)} == {jnp.dtype("float32")}
+    assert {
+        x.dtype for x in jax.tree.leaves(model) if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+    } == {jnp.dtype("float32")}
     placed, opt_state = step.init(tiny_gpt(0))
     hlo = step.lower(placed, opt_state, shard_batch(token_batch(8, 0), m)).as_text()
     assert "bf16" in hlo and "dot_general" in hlo
@@ -102,10 +107,13 @@ def test_recorded_recipe_curves_stay_within_the_stated_tolerance():
 
 
 @pytest.mark.standard_promotion  # bfloat16 compute: jax.nn.dot_product_attention (tests/conftest.py)
-@pytest.mark.parametrize("builder, axes, kind", [
-    (data_parallel_step, {"data": 8, "model": 1}, "all-reduce"),
-    pytest.param(fsdp_step, {"fsdp": 8, "model": 1}, "all-gather", marks=pytest.mark.thorough),
-])
+@pytest.mark.parametrize(
+    "builder, axes, kind",
+    [
+        (data_parallel_step, {"data": 8, "model": 1}, "all-reduce"),
+        pytest.param(fsdp_step, {"fsdp": 8, "model": 1}, "all-gather", marks=pytest.mark.thorough),
+    ],
+)
 def test_bfloat16_reduction_halves_the_gradient_bytes(builder, axes, kind):
     axis = next(iter(axes))
     m = mesh(**axes)
@@ -118,7 +126,9 @@ def test_bfloat16_reduction_halves_the_gradient_bytes(builder, axes, kind):
         # The lowered program: what the step asks for. (XLA:CPU then runs a bfloat16
         # all-reduce in float32; GPUs reduce bfloat16 natively.)
         # Scalars (the loss, the norm's partial sums) stay float32: leave them out.
-        return sum(c.bytes for c in report.collectives(kind, stage="lowered") if c.group_size == 8 and c.shapes != ((),))
+        return sum(
+            c.bytes for c in report.collectives(kind, stage="lowered") if c.group_size == 8 and c.shapes != ((),)
+        )
 
     full = bytes_for(BF16)  # compute in bfloat16, reduce in float32: the default
     half = bytes_for(Precision(compute_dtype=jnp.bfloat16, reduce_dtype=jnp.bfloat16))

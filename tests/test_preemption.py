@@ -27,8 +27,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = {
     "multihost": (("--steps", "200", "--batch-size", "32", "--width", "16", "--learning-rate", "0.1"), 10),
     # A GPT recipe: its checkpoints also hold the loss history (data_state) and a PRNG key.
-    "hybrid_gpt": (("--steps", "60", "--batch-size", "8", "--context", "16", "--layers", "1", "--dim", "32",
-                    "--sample-chars", "0"), 3),
+    "hybrid_gpt": (
+        (
+            "--steps",
+            "60",
+            "--batch-size",
+            "8",
+            "--context",
+            "16",
+            "--layers",
+            "1",
+            "--dim",
+            "32",
+            "--sample-chars",
+            "0",
+        ),
+        3,
+    ),
 }
 HINT = re.compile(
     r"eqxpar\.checkpoint: preempted \(SIGTERM\): saved checkpoint (\S+) at step (\d+) and "
@@ -42,8 +57,18 @@ def command(recipe, nproc, *flags):
     recipe_flags = RECIPES[recipe][0]
     if nproc == 1:
         return [sys.executable, script, *recipe_flags, *flags]
-    return [sys.executable, "-m", "eqxpar.launch", "--nproc", str(nproc), "--devices-per-proc", "1",
-            script, *recipe_flags, *flags]
+    return [
+        sys.executable,
+        "-m",
+        "eqxpar.launch",
+        "--nproc",
+        str(nproc),
+        "--devices-per-proc",
+        "1",
+        script,
+        *recipe_flags,
+        *flags,
+    ]
 
 
 def run(recipe, nproc, *flags, timeout=300):
@@ -60,9 +85,20 @@ def preempt(recipe, nproc, directory, metrics):
     """Start the run; SIGTERM it once its first checkpoint is complete; (status, output, seconds)."""
     every = RECIPES[recipe][1]
     proc = subprocess.Popen(
-        command(recipe, nproc, "--checkpoint-dir", str(directory), "--checkpoint-every", str(every),
-                "--metrics-out", str(metrics)),
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        command(
+            recipe,
+            nproc,
+            "--checkpoint-dir",
+            str(directory),
+            "--checkpoint-every",
+            str(every),
+            "--metrics-out",
+            str(metrics),
+        ),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         deadline = time.monotonic() + 300  # start-up and compiling: minutes on a loaded machine
@@ -98,16 +134,30 @@ def test_sigterm_saves_the_current_step_and_the_resumed_run_ends_bitwise(tmp_pat
         assert "killed" not in out and "failed" not in out, out[-3000:]
 
     resumed_metrics = tmp_path / "resumed.json"
-    resumed_out = run(recipe, nproc, "--checkpoint-dir", str(directory), "--checkpoint-every", "1000", "--resume",
-                      "--metrics-out", str(resumed_metrics))
+    resumed_out = run(
+        recipe,
+        nproc,
+        "--checkpoint-dir",
+        str(directory),
+        "--checkpoint-every",
+        "1000",
+        "--resume",
+        "--metrics-out",
+        str(resumed_metrics),
+    )
     assert f"resumed from step {step} " in resumed_out, resumed_out[-3000:]
     straight_metrics = tmp_path / "straight.json"
     run(recipe, nproc, "--metrics-out", str(straight_metrics))
     resumed, straight = json.loads(resumed_metrics.read_text()), json.loads(straight_metrics.read_text())
     assert resumed["resumed_from_step"] == step
-    names = ("param_digest", "final_loss", "test_accuracy") if recipe == "multihost" else (
-        "param_digest", "final_loss", "first_loss", "final_loss_mean10", "val_loss")
+    names = (
+        ("param_digest", "final_loss", "test_accuracy")
+        if recipe == "multihost"
+        else ("param_digest", "final_loss", "first_loss", "final_loss_mean10", "val_loss")
+    )
     for name in names:
         assert resumed[name] == straight[name], name
-    print(f"{recipe}, {nproc} process(es): SIGTERM -> checkpoint {step} saved, exit {status} in {seconds:.1f} s; "
-          f"resumed bitwise")
+    print(
+        f"{recipe}, {nproc} process(es): SIGTERM -> checkpoint {step} saved, exit {status} in {seconds:.1f} s; "
+        f"resumed bitwise"
+    )

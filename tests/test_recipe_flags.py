@@ -35,9 +35,7 @@ ROOT = RECIPES.parent
 
 def run_script(args, env=None, timeout=600):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
-    return subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 # ---- Bad flags: one line, exit 2, nothing compiled -----------------------------------------
@@ -70,8 +68,12 @@ def bad_flag_processes():
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_LOG_COMPILES": "1"}
     started = {
         name: subprocess.Popen(
-            [sys.executable, f"recipes/{name}.py", *flags], cwd=ROOT, env=env, text=True,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            [sys.executable, f"recipes/{name}.py", *flags],
+            cwd=ROOT,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
         )
         for name, (flags, _) in PROCESS_CASES.items()
         if name in NAMES
@@ -115,10 +117,18 @@ INPROCESS_CASES = [
     ("tensor_parallel", ["--dim", "60"], "--dim 60 is not divisible by --heads 8"),
     ("tensor_parallel", ["--dropout", "1.5"], "--dropout must be in [0, 1)"),
     # Choice flags are Literal types: tyro refuses other values, naming the choices.
-    ("tensor_parallel", ["--dtype", "float16"], "invalid choice 'float16' for argument '--dtype'. Expected one of ('float32', 'bfloat16')"),
+    (
+        "tensor_parallel",
+        ["--dtype", "float16"],
+        "invalid choice 'float16' for argument '--dtype'. Expected one of ('float32', 'bfloat16')",
+    ),
     ("tensor_parallel", ["--attention", "flash"], "Expected one of ('dot_product', 'reference')"),
     ("tensor_parallel", ["--remat", "all"], "Expected one of ('none', 'block', 'save_matmuls', 'offload')"),
-    ("long_context", ["--remat", "offload"], "invalid choice 'offload' for argument '--remat'. Expected one of ('none', 'block', 'save_matmuls')"),
+    (
+        "long_context",
+        ["--remat", "offload"],
+        "invalid choice 'offload' for argument '--remat'. Expected one of ('none', 'block', 'save_matmuls')",
+    ),
     ("tensor_parallel", ["--model-size", "7b"], "Expected one of ('custom', '10m', '124m', '1.3b')"),
     ("tensor_parallel", ["--model-size", "10m", "--mesh", "model=4"], "model=4 does not divide --heads 6"),
     ("fsdp", ["--dtype", "float16"], "Expected one of ('float32', 'bfloat16')"),
@@ -268,20 +278,86 @@ ONE_DEVICE_FLAGS = {
     "data_loading": ["--steps", "1", "--batch-size", "8"],
     "data_parallel": ["--steps", "2", "--batch-size", "16", "--width", "16"],
     "fsdp": ["--steps", "2", "--batch-size", "2", "--context", "8", "--dim", "16", "--heads", "2", "--layers", "1"],
-    "hybrid_gpt": ["--steps", "2", "--batch-size", "2", "--context", "8", "--dim", "16", "--heads", "2",
-                   "--layers", "1", "--sample-chars", "0"],
-    "long_context": ["--steps", "1", "--batch-size", "2", "--seq-len", "16", "--dim", "8", "--heads", "2",
-                     "--layers", "1"],
+    "hybrid_gpt": [
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--context",
+        "8",
+        "--dim",
+        "16",
+        "--heads",
+        "2",
+        "--layers",
+        "1",
+        "--sample-chars",
+        "0",
+    ],
+    "long_context": [
+        "--steps",
+        "1",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--dim",
+        "8",
+        "--heads",
+        "2",
+        "--layers",
+        "1",
+    ],
     "multihost": ["--steps", "2", "--batch-size", "16", "--width", "16"],
-    "pipeline_gpt": ["--steps", "1", "--batch-size", "4", "--microbatches", "2", "--context", "8", "--dim", "16",
-                     "--heads", "2", "--layers", "2"],
+    "pipeline_gpt": [
+        "--steps",
+        "1",
+        "--batch-size",
+        "4",
+        "--microbatches",
+        "2",
+        "--context",
+        "8",
+        "--dim",
+        "16",
+        "--heads",
+        "2",
+        "--layers",
+        "2",
+    ],
     "pmap_data_parallel": ["--per-device-batch", "4"],
     "sharding_basics": [],
-    "tensor_parallel": ["--steps", "2", "--batch-size", "2", "--context", "8", "--dim", "16", "--heads", "2",
-                        "--layers", "1", "--sample-chars", "0"],
+    "tensor_parallel": [
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--context",
+        "8",
+        "--dim",
+        "16",
+        "--heads",
+        "2",
+        "--layers",
+        "1",
+        "--sample-chars",
+        "0",
+    ],
     "three_ways": [],
-    "your_model": ["--steps", "1", "--batch-size", "2", "--context", "8", "--dim", "16", "--heads", "2",
-                   "--layers", "1"],
+    "your_model": [
+        "--steps",
+        "1",
+        "--batch-size",
+        "2",
+        "--context",
+        "8",
+        "--dim",
+        "16",
+        "--heads",
+        "2",
+        "--layers",
+        "1",
+    ],
 }
 ONE_DEVICE_MESH = {
     "data_loading": "data=1,model=1",

@@ -1,7 +1,6 @@
 """eqxpar.recipe helpers shared by the recipes."""
 
 
-
 def test_throughput_leaves_out_the_first_step():
     import time
 

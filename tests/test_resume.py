@@ -73,9 +73,21 @@ def kill_after_second_checkpoint(recipe, directory, flags, every, timeout=120):
     (step 2 * every) is complete. Returns the steps of the checkpoints it left."""
     metrics = os.path.join(directory, "killed_metrics.json")
     child = subprocess.Popen(
-        [sys.executable, os.path.join("recipes", f"{recipe}.py"), *flags,
-         "--checkpoint-dir", str(directory), "--checkpoint-every", every, "--metrics-out", metrics],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            os.path.join("recipes", f"{recipe}.py"),
+            *flags,
+            "--checkpoint-dir",
+            str(directory),
+            "--checkpoint-every",
+            every,
+            "--metrics-out",
+            metrics,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         deadline = time.monotonic() + timeout
@@ -107,7 +119,14 @@ def test_killed_data_parallel_run_resumes_bitwise(tmp_path, capsys, dp_uninterru
     assert 10 <= newest < 40 and newest % 5 == 0, left
     capsys.readouterr()
     resumed = run_recipe(
-        "data_parallel", tmp_path, *DP_FLAGS, "--checkpoint-dir", str(directory), "--checkpoint-every", DP_EVERY, "--resume"
+        "data_parallel",
+        tmp_path,
+        *DP_FLAGS,
+        "--checkpoint-dir",
+        str(directory),
+        "--checkpoint-every",
+        DP_EVERY,
+        "--resume",
     )
     assert f"resumed from step {newest} " in capsys.readouterr().out
     assert resumed["resumed_from_step"] == newest
@@ -118,7 +137,20 @@ def test_killed_data_parallel_run_resumes_bitwise(tmp_path, capsys, dp_uninterru
 
 
 # The hybrid recipe's GPT, small: one block, width 32; checkpoints every 3 steps.
-HYBRID_FLAGS = ("--steps", "21", "--batch-size", "8", "--context", "16", "--layers", "1", "--dim", "32", "--sample-chars", "0")
+HYBRID_FLAGS = (
+    "--steps",
+    "21",
+    "--batch-size",
+    "8",
+    "--context",
+    "16",
+    "--layers",
+    "1",
+    "--dim",
+    "32",
+    "--sample-chars",
+    "0",
+)
 HYBRID_EVERY = "3"
 
 
@@ -131,7 +163,14 @@ def test_killed_hybrid_gpt_run_resumes_bitwise(tmp_path, capsys):
     straight = run_recipe("hybrid_gpt", tmp_path, *HYBRID_FLAGS)
     capsys.readouterr()
     resumed = run_recipe(
-        "hybrid_gpt", tmp_path, *HYBRID_FLAGS, "--checkpoint-dir", str(directory), "--checkpoint-every", HYBRID_EVERY, "--resume"
+        "hybrid_gpt",
+        tmp_path,
+        *HYBRID_FLAGS,
+        "--checkpoint-dir",
+        str(directory),
+        "--checkpoint-every",
+        HYBRID_EVERY,
+        "--resume",
     )
     assert f"resumed from step {newest} " in capsys.readouterr().out
     assert resumed["resumed_from_step"] == newest and straight["resumed_from_step"] == 0
@@ -237,7 +276,9 @@ def test_from_config_needs_the_flags():
 def test_parameter_digest_sees_values_not_layouts():
     mesh = eqxpar.make_mesh(data=2, model=4)
     tree = {"w": jnp.arange(32.0).reshape(8, 4), "k": jax.random.key(0), "f": jax.nn.relu}
-    split = eqxpar.shard(tree, mesh, {"w": jax.sharding.PartitionSpec("model"), "k": jax.sharding.PartitionSpec(), "f": None})
+    split = eqxpar.shard(
+        tree, mesh, {"w": jax.sharding.PartitionSpec("model"), "k": jax.sharding.PartitionSpec(), "f": None}
+    )
     assert parameter_digest(split) == parameter_digest(tree)
     # One flipped bit, a sign of zero, a dtype, a key: each changes it.
     flipped = np.asarray(tree["w"]).copy()

@@ -33,7 +33,9 @@ def context_attention(fn, mesh, layout, causal):
         spec = P(None, "context")
         out = jax.shard_map(
             lambda q, k, v: fn(q, k, v, axis_name="context", causal=causal, layout=layout),
-            mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
+            mesh=mesh,
+            in_specs=(spec, spec, spec),
+            out_specs=spec,
         )(q, k, v)
         return out[..., np.argsort(order), :, :]
 
@@ -91,7 +93,10 @@ def test_context_positions_follow_layout():
     mesh = eqxpar.make_mesh(context=4)
     for layout in ("zigzag", "contiguous"):
         got = jax.shard_map(
-            lambda layout=layout: context_positions(4, "context", layout)[None], mesh=mesh, in_specs=(), out_specs=P("context")
+            lambda layout=layout: context_positions(4, "context", layout)[None],
+            mesh=mesh,
+            in_specs=(),
+            out_specs=P("context"),
         )()
         assert np.asarray(got).reshape(-1).tolist() == layout_order(16, 4, layout).tolist()
 
@@ -126,7 +131,9 @@ def test_dropped_or_doubled_ring_step_fails(monkeypatch, hops):
     want = dense_attention(q, k, v, True), jax.grad(lambda k: jnp.sum(dense_attention(q, k, v, True) ** 2))(k)
 
     def both():  # a fresh function each time, so jax.jit traces again
-        return jax.jit(lambda q, k, v: (parallel(q, k, v), jax.grad(lambda k: jnp.sum(parallel(q, k, v) ** 2))(k)))(q, k, v)
+        return jax.jit(lambda q, k, v: (parallel(q, k, v), jax.grad(lambda k: jnp.sum(parallel(q, k, v) ** 2))(k)))(
+            q, k, v
+        )
 
     out, grad = both()
     assert_close(out, want[0])

@@ -126,9 +126,7 @@ def test_pmap_and_shard_map_equal_single_device(sizes, per_device, shape, seed):
 
     expected_mean = on_one_device(pmap_recipe.batch_mean_logits, params, batch)
     assert_trees_close(pmap_recipe.pmap_mean_logits(devices, params, batch), expected_mean, what="pmap pmean")
-    assert_trees_close(
-        pmap_recipe.shard_map_mean_logits(mesh, params, batch), expected_mean, what="shard_map pmean"
-    )
+    assert_trees_close(pmap_recipe.shard_map_mean_logits(mesh, params, batch), expected_mean, what="shard_map pmean")
 
 
 def test_mean_without_pmean_is_caught():

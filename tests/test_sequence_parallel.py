@@ -69,6 +69,7 @@ def test_sequence_parallel_bytes_equal_the_all_reduces_per_link(model):
     assert sp.bytes("all-reduce") == D * 4
     assert sp.bytes("all-gather") == 2 * act and sp.bytes("reduce-scatter") == 2 * act
     n = model
+
     def link(ar, ag, rs):
         return 2 * (n - 1) / n * ar + (n - 1) / n * (ag + rs)
 

@@ -163,11 +163,20 @@ def test_out_specs_axes_are_checked_when_the_function_is_built(out_specs, messag
             ),
         ),
         # Varying: P() promises one value for all devices, but the output differs per device.
-        ({"sum": P(), "rows": P()}, lambda x: {"sum": jax.lax.psum(x, "data"), "rows": x},
-         (r"out_specs for output \['rows'\]: PartitionSpec P\(\) says the output is the same on every device "
-          r"along mesh axes \('data',\).*jax.lax.psum or pmean over 'data'.*P\('data'\)")),
+        (
+            {"sum": P(), "rows": P()},
+            lambda x: {"sum": jax.lax.psum(x, "data"), "rows": x},
+            (
+                r"out_specs for output \['rows'\]: PartitionSpec P\(\) says the output is the same on every device "
+                r"along mesh axes \('data',\).*jax.lax.psum or pmean over 'data'.*P\('data'\)"
+            ),
+        ),
         # Not a spec where the output is an array.
-        ({"a": P("data"), "b": jax.nn.relu}, lambda x: {"a": x, "b": x}, r"out_specs for output \['b'\] is .* not a PartitionSpec"),
+        (
+            {"a": P("data"), "b": jax.nn.relu},
+            lambda x: {"a": x, "b": x},
+            r"out_specs for output \['b'\] is .* not a PartitionSpec",
+        ),
     ],
 )
 def test_out_specs_are_checked_against_the_traced_outputs_before_compiling(out_specs, fn, message):
@@ -188,7 +197,9 @@ def test_out_specs_none_is_replicated_and_non_array_outputs_take_any_spec():
     def fn(x):
         return {"total": jax.lax.psum(x.sum(0), "data"), "rows": 2 * x, "act": jax.nn.relu}
 
-    f = eqxpar.filter_shard_map(fn, mesh=mesh, in_specs=P("data"), out_specs={"total": None, "rows": P("data"), "act": jax.nn.relu})
+    f = eqxpar.filter_shard_map(
+        fn, mesh=mesh, in_specs=P("data"), out_specs={"total": None, "rows": P("data"), "act": jax.nn.relu}
+    )
     out = f(eqxpar.shard(x, mesh, P("data")))
     np.testing.assert_array_equal(np.asarray(out["total"]), np.asarray(x.sum(0)))
     np.testing.assert_array_equal(np.asarray(out["rows"]), 2 * np.asarray(x))
@@ -198,7 +209,9 @@ def test_out_specs_none_is_replicated_and_non_array_outputs_take_any_spec():
     with pytest.raises(ValueError, match="varies over them"):
         partial(x)
     # check_vma=False trusts the caller: each device's share comes back, not the total.
-    unchecked = eqxpar.filter_shard_map(lambda x: x.sum(0), mesh=mesh, in_specs=P("data"), out_specs=None, check_vma=False)
+    unchecked = eqxpar.filter_shard_map(
+        lambda x: x.sum(0), mesh=mesh, in_specs=P("data"), out_specs=None, check_vma=False
+    )
     assert not np.allclose(np.asarray(unchecked(x)), np.asarray(x.sum(0)))
 
 

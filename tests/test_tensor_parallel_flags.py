@@ -47,10 +47,13 @@ def default_run(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [
-    ("--remat", "block", "--scan-layers", "--attention", "reference"),
-    ("--remat", "save_matmuls", "--mesh", "model=2"),
-])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--remat", "block", "--scan-layers", "--attention", "reference"),
+        ("--remat", "save_matmuls", "--mesh", "model=2"),
+    ],
+)
 def test_options_change_how_the_recipe_computes_not_what(default_run, tmp_path, flags):
     mesh = ["--mesh", "model=4"] if "--mesh" not in flags else []
     run = run_recipe("tensor_parallel", tmp_path, *SMALL, *mesh, *flags)
@@ -118,10 +121,14 @@ def _tokens():
 
 def _loss_and_grads(model, mesh):
     specs = eqxpar.nn.partition_specs(model, mesh)
-    fn = eqx.filter_jit(eqxpar.filter_shard_map(
-        lambda m, t: eqx.filter_value_and_grad(next_token_loss)(m, t),
-        mesh=mesh, in_specs=(specs, P()), out_specs=(P(), specs),
-    ))
+    fn = eqx.filter_jit(
+        eqxpar.filter_shard_map(
+            lambda m, t: eqx.filter_value_and_grad(next_token_loss)(m, t),
+            mesh=mesh,
+            in_specs=(specs, P()),
+            out_specs=(P(), specs),
+        )
+    )
     return fn, eqxpar.shard(model, mesh, specs)
 
 
@@ -137,7 +144,10 @@ def test_offload_is_refused_before_compile_where_the_backend_cannot(caplog, caps
     step = hybrid_step(lambda m, t, k: next_token_loss(m, t, key=k), optax.sgd(0.1), mesh)
     model, opt_state = step.init(_gpt("offload"))
     caplog.set_level(logging.WARNING)
-    with jax.log_compiles(True), pytest.raises(ValueError, match="remat='offload' keeps saved activations in host memory"):
+    with (
+        jax.log_compiles(True),
+        pytest.raises(ValueError, match="remat='offload' keeps saved activations in host memory"),
+    ):
         step(model, opt_state, shard_batch(_tokens(), mesh), jax.random.key(1))
     assert not [r for r in caplog.records if r.getMessage().startswith("Compiling")]
     # And as a recipe flag: one line, exit 2.

@@ -93,7 +93,9 @@ def test_whole_gradient_optimizers_equal_one_device(data, strategy, optimizer, s
     for i, batch in enumerate(batches):
         model, opt_state, metrics = step(model, opt_state, shard_batch(batch, step.mesh, batch_axis=batch_axis))
         np.testing.assert_allclose(float(metrics["loss"]), want_losses[i], rtol=1e-5, err_msg=f"loss, step {i}")
-        np.testing.assert_allclose(float(metrics["grad_norm"]), want_norms[i], rtol=1e-5, err_msg=f"grad_norm, step {i}")
+        np.testing.assert_allclose(
+            float(metrics["grad_norm"]), want_norms[i], rtol=1e-5, err_msg=f"grad_norm, step {i}"
+        )
     assert_trees_close(model, want_model, rtol=1e-5, atol=1e-6, what=f"{strategy} {sizes} {optimizer}: parameters")
 
 
@@ -107,7 +109,11 @@ def test_clipping_is_applied_with_the_global_norm_under_tensor_parallelism():
     before = tiny_gpt(0)
     model, opt_state = step.init(before)
     model, _, metrics = step(model, opt_state, shard_batch(token_batch(8, 0), mesh))
-    delta = jax.tree.map(lambda a, b: a - b, eqx.filter(eqxpar.gather(model), eqx.is_inexact_array), eqx.filter(before, eqx.is_inexact_array))
+    delta = jax.tree.map(
+        lambda a, b: a - b,
+        eqx.filter(eqxpar.gather(model), eqx.is_inexact_array),
+        eqx.filter(before, eqx.is_inexact_array),
+    )
     assert float(metrics["grad_norm"]) > 1e-2
     np.testing.assert_allclose(float(optax.global_norm(delta)), 1e-3, rtol=1e-3)
 
@@ -171,7 +177,9 @@ def test_fsdp_with_state_equals_one_device():
     assert model.lin1.weight.sharding.shard_shape(model.lin1.weight.shape)[0] == 1
     for i in range(2):
         batch = make_batch(20 + i, 16)
-        ref_model, ref_state, ref_opt_state, ref_loss = on_one_device(reference_step, ref_model, ref_state, ref_opt_state, batch, 2)
+        ref_model, ref_state, ref_opt_state, ref_loss = on_one_device(
+            reference_step, ref_model, ref_state, ref_opt_state, batch, 2
+        )
         model, state, opt_state, metrics = step(model, state, opt_state, shard_batch(batch, mesh, batch_axis="fsdp"))
         assert_trees_close(metrics["loss"], ref_loss, what=f"loss at step {i}")
         # The reference optimizer keeps its last gradient first (check_vma is off with state).

@@ -25,7 +25,10 @@ pytestmark = pytest.mark.slow
 def test_a_stalled_rank_ends_the_job_with_every_stack_printed():
     proc = subprocess.Popen(
         [sys.executable, "-m", "eqxpar.launch", "--nproc", "2", "--devices-per-proc", "1", SCRIPT, "hang", "1"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     seen, stalled_at = [], None
     try:
@@ -68,21 +71,25 @@ def run_script(tmp_path, source, timeout=120):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("EQXPAR_", "SLURM_"))}
     env["JAX_PLATFORMS"] = "cpu"
     start = time.monotonic()
-    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
     return done, time.monotonic() - start
 
 
 def test_one_process_that_stops_making_progress_prints_its_stack_and_exits_1(tmp_path):
-    done, seconds = run_script(tmp_path, (
-        "import time\n"
-        "import eqxpar.distributed\n"
-        "watchdog = eqxpar.distributed.Watchdog(2)\n"
-        "for step in range(3):\n"
-        "    watchdog.step_finished(step)\n"
-        "print('stuck', flush=True)\n"
-        "time.sleep(600)\n"
-    ))
+    done, seconds = run_script(
+        tmp_path,
+        (
+            "import time\n"
+            "import eqxpar.distributed\n"
+            "watchdog = eqxpar.distributed.Watchdog(2)\n"
+            "for step in range(3):\n"
+            "    watchdog.step_finished(step)\n"
+            "print('stuck', flush=True)\n"
+            "time.sleep(600)\n"
+        ),
+    )
     assert done.returncode == 1, done.stderr
     assert "stuck" in done.stdout and seconds < 60, (seconds, done.stderr)
     err = done.stderr
@@ -92,20 +99,23 @@ def test_one_process_that_stops_making_progress_prints_its_stack_and_exits_1(tmp
 
 
 def test_a_loop_that_raised_does_not_fire_the_watchdog_later(tmp_path):
-    done, seconds = run_script(tmp_path, (
-        "import time\n"
-        "import eqxpar.distributed\n"
-        "def train():\n"
-        "    watchdog = eqxpar.distributed.Watchdog(1)\n"
-        "    for step in range(3):\n"
-        "        watchdog.step_finished(step)\n"
-        "    raise RuntimeError('out of data')\n"
-        "try:\n"
-        "    train()\n"
-        "except RuntimeError:\n"
-        "    pass\n"
-        "time.sleep(4)  # four timeouts, outside the loop that ended\n"
-        "print('still here', flush=True)\n"
-    ))
+    done, seconds = run_script(
+        tmp_path,
+        (
+            "import time\n"
+            "import eqxpar.distributed\n"
+            "def train():\n"
+            "    watchdog = eqxpar.distributed.Watchdog(1)\n"
+            "    for step in range(3):\n"
+            "        watchdog.step_finished(step)\n"
+            "    raise RuntimeError('out of data')\n"
+            "try:\n"
+            "    train()\n"
+            "except RuntimeError:\n"
+            "    pass\n"
+            "time.sleep(4)  # four timeouts, outside the loop that ended\n"
+            "print('still here', flush=True)\n"
+        ),
+    )
     assert done.returncode == 0 and "still here" in done.stdout, done.stderr
     assert "watchdog" not in done.stderr, done.stderr

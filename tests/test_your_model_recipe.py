@@ -12,9 +12,14 @@ def test_your_model_recipe_matches_the_dense_model(tmp_path):
     assert metrics["mesh"] == "data=2,model=4" and metrics["steps"] == 3
     # The automatic plan: attention, MLP and embedding split, the rest whole.
     assert metrics["plan"] == {
-        "embedding": "vocab", "positions": "replicate", "blocks[0].norm1": "replicate",
-        "blocks[0].attention": "attention", "blocks[0].norm2": "replicate", "blocks[0].mlp": "mlp",
-        "norm": "replicate", "head": "replicate",
+        "embedding": "vocab",
+        "positions": "replicate",
+        "blocks[0].norm1": "replicate",
+        "blocks[0].attention": "attention",
+        "blocks[0].norm2": "replicate",
+        "blocks[0].mlp": "mlp",
+        "norm": "replicate",
+        "head": "replicate",
     }
     assert metrics["split_plan"] == {**metrics["plan"], "head": "column"}
     # Parity (check_parallel_parity raised nothing) and the training losses: the recipe

@@ -25,7 +25,14 @@ PACKAGE = ROOT / "eqxpar"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "1. placement",
-        ("eqxpar._compat", "eqxpar._optional", "eqxpar._specs", "eqxpar._mesh", "eqxpar._sharding", "eqxpar._promotion"),
+        (
+            "eqxpar._compat",
+            "eqxpar._optional",
+            "eqxpar._specs",
+            "eqxpar._mesh",
+            "eqxpar._sharding",
+            "eqxpar._promotion",
+        ),
     ),
     # inspect reads any compiled function (it imports only the spec vocabulary), and the
     # GPT in eqxpar.models states its own communication and FLOPs with it: it sits below.
@@ -105,9 +112,7 @@ def layer_of(module: str) -> int:
 
 def violations(graph: Mapping[str, set[str]]) -> list[tuple[str, str]]:
     """The imports `(importer, imported)` that go from a lower layer up to a higher one."""
-    return sorted(
-        (src, dst) for src, dsts in graph.items() for dst in dsts if layer_of(src) < layer_of(dst)
-    )
+    return sorted((src, dst) for src, dsts in graph.items() for dst in dsts if layer_of(src) < layer_of(dst))
 
 
 def part_edges(graph: Mapping[str, set[str]]) -> set[tuple[str, str]]:
@@ -149,8 +154,13 @@ def draw(path: str | pathlib.Path, package: pathlib.Path = PACKAGE) -> None:
         y = i * band
         ax.add_patch(
             FancyBboxPatch(
-                (0, y + 0.08), width, band - 0.16, boxstyle="round,pad=0.02",
-                facecolor=colours[i % len(colours)], edgecolor="none", zorder=0,
+                (0, y + 0.08),
+                width,
+                band - 0.16,
+                boxstyle="round,pad=0.02",
+                facecolor=colours[i % len(colours)],
+                edgecolor="none",
+                zorder=0,
             )
         )
         ax.text(0.15, y + band - 0.28, title, fontsize=11, fontweight="bold", va="center")
@@ -158,12 +168,17 @@ def draw(path: str | pathlib.Path, package: pathlib.Path = PACKAGE) -> None:
             cx, cy = centres[part]
             ax.add_patch(
                 FancyBboxPatch(
-                    (cx - box_w / 2, cy - box_h / 2), box_w, box_h, boxstyle="round,pad=0.03",
-                    facecolor="white", edgecolor="#444444", linewidth=1.0, zorder=3,
+                    (cx - box_w / 2, cy - box_h / 2),
+                    box_w,
+                    box_h,
+                    boxstyle="round,pad=0.03",
+                    facecolor="white",
+                    edgecolor="#444444",
+                    linewidth=1.0,
+                    zorder=3,
                 )
             )
-            ax.text(cx, cy, _label(part, package), ha="center", va="center", fontsize=8.5, zorder=4,
-                    family="monospace")
+            ax.text(cx, cy, _label(part, package), ha="center", va="center", fontsize=8.5, zorder=4, family="monospace")
     for a, b in sorted(edges):
         (x0, y0), (x1, y1) = centres[a], centres[b]
         up, same = layer_of(a) < layer_of(b), layer_of(a) == layer_of(b)
@@ -175,19 +190,24 @@ def draw(path: str | pathlib.Path, package: pathlib.Path = PACKAGE) -> None:
             rad = 0.0
         ax.add_patch(
             FancyArrowPatch(
-                start, end, arrowstyle="-|>", mutation_scale=10,
+                start,
+                end,
+                arrowstyle="-|>",
+                mutation_scale=10,
                 connectionstyle=f"arc3,rad={rad}",
                 color="#ff0000" if up else lines[layer_of(a) % len(lines)],
-                alpha=1.0 if up else 0.55, linewidth=2.0 if up else 0.9, zorder=2,
+                alpha=1.0 if up else 0.55,
+                linewidth=2.0 if up else 0.9,
+                zorder=2,
             )
         )
     n_imports = sum(len(d) for d in graph.values())
     ax.set_title(
         f"eqxpar's layers, from the imports in its source ({len(graph)} modules, "
         f"{n_imports} imports between them). An arrow: some module of the first box imports "
-        f"one of the second.\nImports that go up a layer: {len(bad)}"
-        + (f" (red): {bad[:3]}" if bad else "."),
-        fontsize=10, loc="left",
+        f"one of the second.\nImports that go up a layer: {len(bad)}" + (f" (red): {bad[:3]}" if bad else "."),
+        fontsize=10,
+        loc="left",
     )
     ax.set_xlim(-0.1, width + 0.1)
     ax.set_ylim(-0.1, len(LAYERS) * band + 0.1)
@@ -197,13 +217,12 @@ def draw(path: str | pathlib.Path, package: pathlib.Path = PACKAGE) -> None:
     plt.close(fig)
 
 
-def _positions(
-    edges: set[tuple[str, str]], width: float, band: float
-) -> dict[str, tuple[float, float]]:
+def _positions(edges: set[tuple[str, str]], width: float, band: float) -> dict[str, tuple[float, float]]:
     """Box centres: each layer's parts spread evenly, ordered (from the second layer up) by
     the mean position of what they import, which keeps arrows from crossing needlessly."""
     centres: dict[str, tuple[float, float]] = {}
     for i, (_, parts) in enumerate(LAYERS):
+
         def key(part: str, order=tuple(parts)) -> tuple[float, int]:
             xs = [centres[b][0] for a, b in edges if a == part and b in centres]
             return (sum(xs) / len(xs) if xs else width, order.index(part))

@@ -136,8 +136,16 @@ def main() -> None:
     args = sys.argv[1:]
     name = None
     if args[:1] == ["--save-as"]:
-        if len(args) < 2 or not args[1] or args[1].startswith("-") or pathlib.PurePath(args[1]).is_absolute() or ".." in pathlib.PurePath(args[1]).parts:
-            raise SystemExit("record_losses: --save-as needs a NAME inside docs/data/losses (e.g. precision/hybrid_gpt_bfloat16)")
+        if (
+            len(args) < 2
+            or not args[1]
+            or args[1].startswith("-")
+            or pathlib.PurePath(args[1]).is_absolute()
+            or ".." in pathlib.PurePath(args[1]).parts
+        ):
+            raise SystemExit(
+                "record_losses: --save-as needs a NAME inside docs/data/losses (e.g. precision/hybrid_gpt_bfloat16)"
+            )
         name, args = args[1].removesuffix(".json"), args[2:]
     if not args:
         raise SystemExit(__doc__)

@@ -4,7 +4,7 @@ A training run keeps one [`eqxpar.checkpoint.Checkpointer`][] for its checkpoint
 
 ```python
 ckpt = eqxpar.checkpoint.Checkpointer("runs/gpt", keep=3, save_every=100)
-state, start, data_state = ckpt.restore(init_state)   # fresh start: (init_state, 0, None)
+state, start, data_state = ckpt.restore(init_state)  # fresh start: (init_state, 0, None)
 for step in range(start, steps):
     state = train_step(state, batch(step))
     ckpt.maybe_save(step + 1, state, data_state={"epoch": ..., "index": ...})
@@ -44,6 +44,11 @@ from ._preemption import EXIT_PREEMPTED, Preempted, preempted, watch_preemption
 from ._restore import Restored
 
 __all__ = [
-    "Checkpointer", "Restored", "RECIPE_FREE_FIELDS", "Preempted", "EXIT_PREEMPTED",
-    "preempted", "watch_preemption",
+    "Checkpointer",
+    "Restored",
+    "RECIPE_FREE_FIELDS",
+    "Preempted",
+    "EXIT_PREEMPTED",
+    "preempted",
+    "watch_preemption",
 ]

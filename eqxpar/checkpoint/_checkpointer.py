@@ -29,9 +29,7 @@ def _check_int(value: Any, what: str, *, none: bool = False) -> int | None:
     if value is None and none:
         return None
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
-        raise ValueError(
-            f"{what} must be a non-negative integer{' or None' if none else ''}, got {value!r}."
-        )
+        raise ValueError(f"{what} must be a non-negative integer{' or None' if none else ''}, got {value!r}.")
     return int(value)
 
 
@@ -40,7 +38,7 @@ class Checkpointer:
 
     ```python
     ckpt = eqxpar.checkpoint.Checkpointer("runs/gpt", keep=3, save_every=100)
-    state, start, data_state = ckpt.restore(init_state)   # fresh start: (init_state, 0, None)
+    state, start, data_state = ckpt.restore(init_state)  # fresh start: (init_state, 0, None)
     for step in range(start, steps):
         state = train_step(state, batch(step))
         ckpt.maybe_save(step + 1, state, force=step + 1 == steps)
@@ -155,8 +153,12 @@ class Checkpointer:
         self._closed = False
         if self.directory is not None:
             check_folder(
-                self.directory, resume=self.resume, config=self._config, shape_fields=self._shape_fields,
-                free_fields=self._free_fields, spelling=self._spelling,
+                self.directory,
+                resume=self.resume,
+                config=self._config,
+                shape_fields=self._shape_fields,
+                free_fields=self._free_fields,
+                spelling=self._spelling,
             )
         # Last, once nothing can raise: it may start a thread and take over SIGTERM.
         self._watch = StepWatch(bool(save_on_preemption) and self.enabled, watchdog_s)
@@ -195,8 +197,9 @@ class Checkpointer:
         """
         self = cls.__new__(cls)
         self._spelling = FLAGS
-        cls.__init__(self, **recipe_settings(cfg), keep=keep, shape_fields=shape_fields, verbose=True,
-                     save_on_preemption=True)
+        cls.__init__(
+            self, **recipe_settings(cfg), keep=keep, shape_fields=shape_fields, verbose=True, save_on_preemption=True
+        )
         return self
 
     # -- the folder ---------------------------------------------------------------------------
@@ -311,10 +314,14 @@ class Checkpointer:
         manager.save(step, args=ocp.args.Composite(**items), force=True)  # decided above
         if stop:  # a preemption notice: the checkpoint complete on disk, then stop
             self.close()
-            hint = ("the same flags and --resume" if self._spelling is FLAGS else
-                    f"a Checkpointer({self.directory!r}, resume=True) and its restore()")
-            raise stop_after_save(step, _folder.step_dir(self._directory(), step), hint,
-                                  lambda line: print(line, flush=True))
+            hint = (
+                "the same flags and --resume"
+                if self._spelling is FLAGS
+                else f"a Checkpointer({self.directory!r}, resume=True) and its restore()"
+            )
+            raise stop_after_save(
+                step, _folder.step_dir(self._directory(), step), hint, lambda line: print(line, flush=True)
+            )
         return True
 
     def _drop_unreadable(self, manager) -> None:

@@ -14,7 +14,13 @@ from .._optional import require
 from . import _folder
 
 __all__ = [
-    "as_json", "compare", "check_folder", "recipe_settings", "Spelling", "LIBRARY", "FLAGS",
+    "as_json",
+    "compare",
+    "check_folder",
+    "recipe_settings",
+    "Spelling",
+    "LIBRARY",
+    "FLAGS",
     "RECIPE_FREE_FIELDS",
 ]
 
@@ -22,8 +28,17 @@ __all__ = [
 # long to train, where to write and log, how to checkpoint, and the layout (a checkpoint
 # restores onto any mesh).
 RECIPE_FREE_FIELDS = (
-    "steps", "metrics_out", "devices", "mesh", "checkpoint_dir", "checkpoint_every", "resume", "watchdog_s",
-    "log_dir", "log_every", "eval_every",
+    "steps",
+    "metrics_out",
+    "devices",
+    "mesh",
+    "checkpoint_dir",
+    "checkpoint_every",
+    "resume",
+    "watchdog_s",
+    "log_dir",
+    "log_every",
+    "eval_every",
 )
 
 
@@ -36,9 +51,7 @@ class Spelling(NamedTuple):
 
 
 LIBRARY = Spelling("directory", "resume=True", lambda name, value: f"{name}={value!r}")
-FLAGS = Spelling(
-    "--checkpoint-dir", "--resume", lambda name, value: f"--{name.replace('_', '-')} {value!r}"
-)
+FLAGS = Spelling("--checkpoint-dir", "--resume", lambda name, value: f"--{name.replace('_', '-')} {value!r}")
 
 
 def as_json(config: Any) -> dict[str, Any]:
@@ -53,8 +66,7 @@ def as_json(config: Any) -> dict[str, Any]:
         config = dataclasses.asdict(config)
     if not isinstance(config, Mapping):
         raise ValueError(
-            f"Checkpointer: config must be a dataclass instance or a mapping, got "
-            f"{type(config).__name__}."
+            f"Checkpointer: config must be a dataclass instance or a mapping, got {type(config).__name__}."
         )
     try:
         return json.loads(json.dumps(dict(config), allow_nan=False))
@@ -155,8 +167,13 @@ def check_folder(
     saved = _folder.newest_config(directory, contents.steps) if config else None
     if saved is not None and config is not None:  # (saved is None without a config)
         compare(
-            saved[1], config, step=saved[0], where=f"{spelling.directory} {directory}",
-            shape_fields=shape_fields, free_fields=free_fields, spell=spelling.setting,
+            saved[1],
+            config,
+            step=saved[0],
+            where=f"{spelling.directory} {directory}",
+            shape_fields=shape_fields,
+            free_fields=free_fields,
+            spell=spelling.setting,
         )
 
 

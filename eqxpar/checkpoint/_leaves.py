@@ -86,8 +86,7 @@ def saved_arrays(state: PyTree) -> tuple[list, list[dict[str, Any]]]:
             )
         if isinstance(leaf, jax.ShapeDtypeStruct):
             raise ValueError(
-                f"maybe_save: the leaf at {where} is an abstract ShapeDtypeStruct, which has "
-                f"no values to save."
+                f"maybe_save: the leaf at {where} is an abstract ShapeDtypeStruct, which has no values to save."
             )
         if isinstance(leaf, jax.Array) and leaf.is_deleted():
             raise ValueError(
@@ -143,9 +142,7 @@ def first_difference(saved: list[dict], target: list[dict], where: str) -> str |
                 f"checkpoint has {s['path']} ({_fmt(s)}) where the target has {t['path']} "
                 f"({_fmt(t)})."
             )
-        if s["kind"] != t["kind"] or (
-            s["kind"] != "static" and (s["shape"] != t["shape"] or s["dtype"] != t["dtype"])
-        ):
+        if s["kind"] != t["kind"] or (s["kind"] != "static" and (s["shape"] != t["shape"] or s["dtype"] != t["dtype"])):
             return f"{where}: leaf {s['path']} differs: saved {_fmt(s)}, target {_fmt(t)}."
     if len(saved) != len(target):
         longer, name = (saved, "checkpoint") if len(saved) > len(target) else (target, "target")

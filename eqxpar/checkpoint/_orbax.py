@@ -57,7 +57,6 @@ class JsonFileHandler(_SmallFileHandler):
         return json.loads((directory / JSON_FILE).read_text())
 
 
-
 @ocp.args.register_with_handler(JsonFileHandler, for_save=True)
 @dataclasses.dataclass
 class JsonFileSave(ocp.args.CheckpointArgs):
@@ -108,7 +107,6 @@ class PerProcessJsonHandler(_SmallFileHandler):
                 f"same on every process (a global position such as the step or sample index)."
             )
         return states[0]
-
 
 
 @ocp.args.register_with_handler(PerProcessJsonHandler, for_save=True)

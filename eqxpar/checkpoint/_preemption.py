@@ -31,8 +31,15 @@ from .._compat import distributed_client
 from .._failfast import EXIT_PREEMPTED
 from .._watchdog import Watchdog
 
-__all__ = ["Preempted", "EXIT_PREEMPTED", "watch_preemption", "unwatch_preemption", "preempted",
-           "stop_after_save", "StepWatch"]
+__all__ = [
+    "Preempted",
+    "EXIT_PREEMPTED",
+    "watch_preemption",
+    "unwatch_preemption",
+    "preempted",
+    "stop_after_save",
+    "StepWatch",
+]
 
 _flag = threading.Event()  # a SIGTERM arrived (one-process runs)
 _watching: list[Any] = []  # one entry per watcher; the first holds SIGTERM's previous handler

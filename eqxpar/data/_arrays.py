@@ -14,8 +14,7 @@ def global_shapes(batch: PyTree, rows: int, global_batch_size: int) -> PyTree:
     def one(leaf):
         if np.ndim(leaf) == 0 or np.shape(leaf)[0] != rows:
             raise ValueError(
-                f"every leaf of a loaded batch needs a leading dimension of {rows} rows; got "
-                f"shape {np.shape(leaf)}."
+                f"every leaf of a loaded batch needs a leading dimension of {rows} rows; got shape {np.shape(leaf)}."
             )
         return (global_batch_size, *np.shape(leaf)[1:])
 

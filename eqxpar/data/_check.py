@@ -60,9 +60,7 @@ def check_batch_consistency(
     axes = data_axes(batch_axis)
     others = tuple(a for a in mesh.axis_names if a not in axes)
     process_of = {d.id: d.process_index for d in mesh.devices.flat}
-    per_process = max(
-        sum(1 for d in mesh.devices.flat if d.process_index == p) for p in set(process_of.values())
-    )
+    per_process = max(sum(1 for d in mesh.devices.flat if d.process_index == p) for p in set(process_of.values()))
     for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
         where = f"batch leaf {path_str(path)}"
         if not isinstance(leaf, jax.Array):

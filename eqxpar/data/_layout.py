@@ -109,8 +109,9 @@ def batch_layout(mesh: Mesh, batch_axis: DataAxes, global_batch_size: int) -> Ba
     if global_batch_size % num_shards:
         sizes = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
         across = (
-            f" across {len(processes)} processes with {mesh.devices.size // len(processes)} "
-            f"devices each" if len(processes) > 1 else ""
+            f" across {len(processes)} processes with {mesh.devices.size // len(processes)} devices each"
+            if len(processes) > 1
+            else ""
         )
         raise ValueError(
             f"a global batch of {global_batch_size} rows cannot be split evenly into the "

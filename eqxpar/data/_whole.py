@@ -101,6 +101,8 @@ def load_per_device(
     flat = [treedef.flatten_up_to(arrays) for arrays in per_device]
     leaves = []
     for i, first in enumerate(flat[0]):
-        (shape,) = jax.tree.leaves(global_shapes([first], layout.shard_size, global_batch_size), is_leaf=lambda x: isinstance(x, tuple))
+        (shape,) = jax.tree.leaves(
+            global_shapes([first], layout.shard_size, global_batch_size), is_leaf=lambda x: isinstance(x, tuple)
+        )
         leaves.append(jax.make_array_from_single_device_arrays(shape, sharding, [arrays[i] for arrays in flat]))
     return jax.tree.unflatten(treedef, leaves)

@@ -71,11 +71,7 @@ class ActivationTheory:
 
     def __str__(self) -> str:
         how = "saved by the remat policy" if self.exact_blocks else "the least the backward pass reads"
-        rows = [
-            (t.what, f"{t.nbytes:,}", f"x {t.count}", f"{t.total:,}")
-            for t in self.terms
-            if t.total
-        ]
+        rows = [(t.what, f"{t.nbytes:,}", f"x {t.count}", f"{t.total:,}") for t in self.terms if t.total]
         rows.append((f"total (blocks: {how}; remat={self.remat!r})", "", "", f"{self.total:,}"))
         return "\n".join(table(("kept for the backward pass, per device", "bytes", "", "total"), rows))
 

@@ -15,8 +15,20 @@ COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", 
 # Name-stack components JAX adds by itself (not a `jax.named_scope` of the user's):
 # mapping, remat, loops, calls. `jit(...)` components are left out too.
 _JAX_COMPONENTS = frozenset(
-    {"shard_map", "checkpoint", "rematted_computation", "remat", "while", "body", "cond", "closed_call",
-     "core_call", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
+    {
+        "shard_map",
+        "checkpoint",
+        "rematted_computation",
+        "remat",
+        "while",
+        "body",
+        "cond",
+        "closed_call",
+        "core_call",
+        "custom_jvp_call",
+        "custom_vjp_call",
+        "custom_vjp_call_jaxpr",
+    }
 )
 # Transformations JAX wraps around a component: `transpose(jvp(dense))` is scope `dense`.
 _TRANSFORMS = frozenset({"jvp", "transpose", "vmap", "linearize", "vjp", "pmap"})

@@ -155,7 +155,16 @@ def sequence_parallel_theory(
     axes = (model_axis,) if n_model > 1 else ()
     per_direction = 2 * num_layers * act  # two regions per block
     return CommTheory(
-        term("all-gather", axes, 2 * per_direction, "SP: gather the sequence into each TP region (fwd) and its transpose (bwd)")
-        + term("reduce-scatter", axes, 2 * per_direction, "SP: scatter each TP region's output (fwd) and its transpose (bwd)")
+        term(
+            "all-gather",
+            axes,
+            2 * per_direction,
+            "SP: gather the sequence into each TP region (fwd) and its transpose (bwd)",
+        )
+        + term(
+            "reduce-scatter",
+            axes,
+            2 * per_direction,
+            "SP: scatter each TP region's output (fwd) and its transpose (bwd)",
+        )
     )
-

@@ -38,9 +38,7 @@ def stages(who: str, fn: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
             return lowered, lowered.compile()
         return None, unwrap(fn, "compiled")
     if not callable(fn):
-        raise ValueError(
-            f"{who}: expected a function (or a lowered or compiled program), got {type(fn).__name__}."
-        )
+        raise ValueError(f"{who}: expected a function (or a lowered or compiled program), got {type(fn).__name__}.")
     lower = fn.lower if hasattr(fn, "lower") else eqx.filter_jit(fn).lower
     lowered = unwrap(lower(*args, **kwargs), "lowered")
     return lowered, lowered.compile()

@@ -94,7 +94,9 @@ def collectives_in_hlo(text: str) -> tuple[Collective, ...]:
             continue
         if match.group("async") == "-done":
             operand = _HLO_OPERAND.search(line, match.end() - 1)
-            groups, op_name, pairs = started.get(operand.group(1), (None, None, None)) if operand else (None, None, None)
+            groups, op_name, pairs = (
+                started.get(operand.group(1), (None, None, None)) if operand else (None, None, None)
+            )
             info = (groups, info[1] or op_name, info[2] or pairs)
         arrays = _HLO_ARRAY.findall(match.group("type"))
         shapes = tuple(tuple(int(d) for d in dims.split(",") if d) for _, dims in arrays)
@@ -257,15 +259,17 @@ def collectives_in_lowered(lowered: Any) -> tuple[Collective, ...]:
                 table = np.array(ir.DenseIntElementsAttr(op.attributes["source_target_pairs"]))
                 pairs = tuple((int(a), int(b)) for a, b in table.reshape(-1, 2))
             found.extend(
-                [Collective(
-                    kind,
-                    tuple(tuple(int(d) for d in t.shape) for t in types),
-                    tuple(str(t.element_type) for t in types),
-                    group_size(groups),
-                    groups,
-                    "/".join(p for p in (*prefix, _location_name(op)) if p) or None,
-                    pairs,
-                )]
+                [
+                    Collective(
+                        kind,
+                        tuple(tuple(int(d) for d in t.shape) for t in types),
+                        tuple(str(t.element_type) for t in types),
+                        group_size(groups),
+                        groups,
+                        "/".join(p for p in (*prefix, _location_name(op)) if p) or None,
+                        pairs,
+                    )
+                ]
                 * times
             )
     return tuple(found)

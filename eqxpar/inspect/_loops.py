@@ -20,7 +20,9 @@ from typing import Any
 
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s+\(.*\)\s*->\s*.*\{\s*$")
 _ENTRY = re.compile(r"^ENTRY\s")
-_CALLEE = re.compile(r"\b(?P<attr>body|condition|to_apply|calls|true_computation|false_computation)=%(?P<name>[\w.\-]+)")
+_CALLEE = re.compile(
+    r"\b(?P<attr>body|condition|to_apply|calls|true_computation|false_computation)=%(?P<name>[\w.\-]+)"
+)
 _BRANCHES = re.compile(r"\bbranch_computations=\{(?P<names>[^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 

@@ -130,7 +130,11 @@ class MemoryReport:
             row("parameters + optimizer", self.state, self.state_whole),
             row("other inputs", self.other_inputs, self.other_inputs_whole),
             ("temporaries", f"{self.temporaries:,}", "", ""),
-            *([("saved for the backward pass", f"{self.saved_activations:,}", "", "")] if self.saved_activations is not None else []),
+            *(
+                [("saved for the backward pass", f"{self.saved_activations:,}", "", "")]
+                if self.saved_activations is not None
+                else []
+            ),
             ("peak (estimate)", f"{self.peak:,}", "", ""),
         ]
         return "\n".join(table(("memory", "per device", "whole (1 device)", "ratio"), rows))

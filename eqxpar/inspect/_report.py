@@ -61,9 +61,7 @@ class CommReport:
         compiled = lowered.compile() if compiled is None else unwrap(compiled, "compiled")
         if mesh is None:
             mesh = mesh_of_lowered(lowered) or _mesh_of_tree(getattr(compiled, "input_shardings", None))
-        return cls(
-            compiled=collectives_in_hlo(compiled.as_text()), lowered=collectives_in_lowered(lowered), mesh=mesh
-        )
+        return cls(compiled=collectives_in_hlo(compiled.as_text()), lowered=collectives_in_lowered(lowered), mesh=mesh)
 
     def collectives(
         self,

@@ -60,9 +60,7 @@ class CommTheory:
             raise ValueError(f"CommTheory: unknown collective kind {kind!r}; use one of {COLLECTIVE_KINDS}.")
         axes = (axes,) if isinstance(axes, str) else axes
         return sum(
-            t.bytes
-            for t in self.terms
-            if (kind is None or t.kind == kind) and (axes is None or t.axes == tuple(axes))
+            t.bytes for t in self.terms if (kind is None or t.kind == kind) and (axes is None or t.axes == tuple(axes))
         )
 
     def traffic(self) -> dict[tuple[str, tuple[str, ...]], int]:
@@ -301,8 +299,15 @@ class CommComparison:
             return "-" if t == 0 and m == 0 else ("inf" if t == 0 else f"{m / t:.3f}")
 
         rows = [
-            (r.kind, axes_label(r.axes), f"{r.theory:,}", f"{r.lowered:,}", ratio(r.lowered, r.theory),
-             f"{r.compiled:,}", ratio(r.compiled, r.theory))
+            (
+                r.kind,
+                axes_label(r.axes),
+                f"{r.theory:,}",
+                f"{r.lowered:,}",
+                ratio(r.lowered, r.theory),
+                f"{r.compiled:,}",
+                ratio(r.compiled, r.theory),
+            )
             for r in self.rows
         ]
         t, lo, co = (sum(getattr(r, f) for r in self.rows) for f in ("theory", "lowered", "compiled"))

@@ -171,13 +171,16 @@ class TransformerBlock(eqx.Module):
         attention_key, mlp_key = jax.random.split(key)
         self.attention_norm = eqx.nn.LayerNorm(dim)
         self.attention = ParallelMultiheadAttention(
-            num_heads, dim, dropout_p=dropout_p if attention_dropout_p is None else attention_dropout_p, causal=True, attention_impl=attention_impl,
-            axis_name=axis_name, key=attention_key,
+            num_heads,
+            dim,
+            dropout_p=dropout_p if attention_dropout_p is None else attention_dropout_p,
+            causal=True,
+            attention_impl=attention_impl,
+            axis_name=axis_name,
+            key=attention_key,
         )
         self.mlp_norm = eqx.nn.LayerNorm(dim)
-        self.mlp = ParallelMLP(
-            dim, dim, mlp_ratio * dim, activation=gelu, axis_name=axis_name, key=mlp_key
-        )
+        self.mlp = ParallelMLP(dim, dim, mlp_ratio * dim, activation=gelu, axis_name=axis_name, key=mlp_key)
         self.dropout = eqx.nn.Dropout(dropout_p)
         self.sequence_parallel = sequence_parallel
 
@@ -216,7 +219,10 @@ class TransformerBlock(eqx.Module):
             sequence_dim = -2 if self.sequence_parallel else None
             with jax.named_scope("attention"):
                 h = self.attention(
-                    layer_norm(self.attention_norm, x), key=attention_key, inference=inference, sequence_dim=sequence_dim
+                    layer_norm(self.attention_norm, x),
+                    key=attention_key,
+                    inference=inference,
+                    sequence_dim=sequence_dim,
                 )
                 x = x + sequence_dropout(self.dropout, h, rows, length, key=residual_key1, inference=inference)
             with jax.named_scope("mlp"):

@@ -95,15 +95,22 @@ def gpt_tensor_parallel_theory(
     blocks = len(model.blocks)
     if model.sequence_parallel:
         blocks_theory = sequence_parallel_theory(
-            mesh, batch=batch_size, seq_len=seq_len, dim=dim, num_layers=blocks, batch_axis=batch_axis,
-            context_axis=context_axis, model_axis=model.axis_name, dtype=model.position_embedding.weight.dtype,
+            mesh,
+            batch=batch_size,
+            seq_len=seq_len,
+            dim=dim,
+            num_layers=blocks,
+            batch_axis=batch_axis,
+            context_axis=context_axis,
+            model_axis=model.axis_name,
+            dtype=model.position_embedding.weight.dtype,
         )
-        return _sequence_parallel_terms(model, blocks_theory, axes, blocks, stream, tokens, seq_len, dim, itemsize, remat)
+        return _sequence_parallel_terms(
+            model, blocks_theory, axes, blocks, stream, tokens, seq_len, dim, itemsize, remat
+        )
     return CommTheory(
         term("all-reduce", axes, 2 * blocks * stream, f"{blocks} blocks x (attention, MLP) outputs, forward")
-        + term(
-            "all-reduce", axes, 2 * blocks * stream, f"{blocks} blocks x (attention, MLP) input gradients, backward"
-        )
+        + term("all-reduce", axes, 2 * blocks * stream, f"{blocks} blocks x (attention, MLP) input gradients, backward")
         + term("all-reduce", axes, stream, "token embedding lookup, forward")
         + term("all-reduce", axes, stream, "head input gradient, backward")
         + term("all-reduce", axes, 3 * tokens * itemsize, "cross-entropy: max, sum of exponentials, target logit")

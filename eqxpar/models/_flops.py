@@ -28,15 +28,22 @@ def gpt_matmul_params(model, *, count_padding: bool = False) -> int:
     n = 0
     for block in blocks:
         attention, mlp = block.attention, block.mlp
-        for linear in (attention.query_proj, attention.key_proj, attention.value_proj, attention.output_proj,
-                       mlp.hidden, mlp.output):
+        for linear in (
+            attention.query_proj,
+            attention.key_proj,
+            attention.value_proj,
+            attention.output_proj,
+            mlp.hidden,
+            mlp.output,
+        ):
             n += linear.weight.size
     rows = model.padded_vocab_size if count_padding else model.vocab_size
     return n + rows * model.head.weight.shape[-1]
 
 
-def gpt_flops_per_token(model, seq_len: int | None = None, *, backward: bool = True,
-                        count_padding: bool = False) -> int:
+def gpt_flops_per_token(
+    model, seq_len: int | None = None, *, backward: bool = True, count_padding: bool = False
+) -> int:
     """Model FLOPs per trained token of a GPT: `6 N + 12 L T d`
     ([`eqxpar.inspect.transformer_flops_per_token`][] with the GPT's sizes).
 

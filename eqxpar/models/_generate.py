@@ -58,7 +58,9 @@ def generate(
     return np.asarray(tokens, np.int32)
 
 
-def whole_logits(model: GPT, mesh: Mesh, specs: PyTree) -> Callable[[Int[Array, "batch seq"]], Float[Array, "batch seq vocab"]]:
+def whole_logits(
+    model: GPT, mesh: Mesh, specs: PyTree
+) -> Callable[[Int[Array, "batch seq"]], Float[Array, "batch seq vocab"]]:
     """A function from token windows to whole-vocabulary logits, for [`eqxpar.models.generate`][].
 
     It runs `model` in inference mode inside `shard_map` and assembles the vocabulary blocks
@@ -84,6 +86,7 @@ def whole_logits(model: GPT, mesh: Mesh, specs: PyTree) -> Callable[[Int[Array, 
             out_specs=PartitionSpec(None, None, model.axis_name),
         )
     )
+
     def logits_fn(tokens):
         return fn(model, tokens)[..., : model.vocab_size]  # the padding ids' columns dropped
 

@@ -134,8 +134,12 @@ class GPT(TensorParallelLayer):
         - `ValueError` for a non-positive size or padding multiple, or an unknown
           `remat` / `attention_impl`.
         """
-        for name, value in (("vocab_size", vocab_size), ("pad_vocab_to_multiple_of", pad_vocab_to_multiple_of),
-                            ("num_layers", num_layers), ("context_length", context_length)):
+        for name, value in (
+            ("vocab_size", vocab_size),
+            ("pad_vocab_to_multiple_of", pad_vocab_to_multiple_of),
+            ("num_layers", num_layers),
+            ("context_length", context_length),
+        ):
             if not (isinstance(value, int) and value > 0):
                 raise ValueError(f"GPT: {name} must be a positive integer, got {value!r}.")
         if remat not in REMAT_CHOICES:
@@ -165,8 +169,15 @@ class GPT(TensorParallelLayer):
         self.position_embedding = eqx.nn.Embedding(context_length, dim, key=position_key)
         blocks = tuple(
             TransformerBlock(
-                dim, num_heads, mlp_ratio, dropout_p, attention_impl=attention_impl, attention_dropout_p=attention_dropout_p,
-                sequence_parallel=sequence_parallel, axis_name=axis_name, key=k,
+                dim,
+                num_heads,
+                mlp_ratio,
+                dropout_p,
+                attention_impl=attention_impl,
+                attention_dropout_p=attention_dropout_p,
+                sequence_parallel=sequence_parallel,
+                axis_name=axis_name,
+                key=k,
             )
             for k in block_keys
         )
@@ -300,7 +311,6 @@ class GPT(TensorParallelLayer):
             rows = jnp.arange(seq) if rows is None else rows
             rows = jax.lax.dynamic_slice_in_dim(rows, jax.lax.axis_index(self.axis_name) * (seq // n), seq // n)
         return rows, length
-
 
 
 # The GPT's parts before and after its blocks, shared by the GPT's own call and its pipeline

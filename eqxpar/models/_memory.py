@@ -93,8 +93,11 @@ def gpt_activation_theory(
     if context != (context_axis is not None):
         raise ValueError(
             f"{who}: the GPT's attention_impl={model.attention_impl!r} "
-            + ("splits the sequence over a context axis: pass context_axis." if context else
-               "does not split the sequence: pass context_axis=None (or use ring/all_gather attention).")
+            + (
+                "splits the sequence over a context axis: pass context_axis."
+                if context
+                else "does not split the sequence: pass context_axis=None (or use ring/all_gather attention)."
+            )
         )
     n, b, s_c = sizes.model_size, sizes.local_batch, sizes.local_seq
     if model.sequence_parallel and s_c % n:
@@ -157,7 +160,9 @@ def gpt_activation_theory(
         ActivationTerm("embedding dropout mask", t_r * dim if residual_dropout else 0),
         ActivationTerm("final layer norm: normalised input and 1/deviation", t_r * (dim * e + f32)),
         ActivationTerm("head input (normalised, gathered)", t * dim * e),
-        ActivationTerm("cross-entropy: softmax over this device's vocabulary block", t * (model.padded_vocab_size // n) * e),
+        ActivationTerm(
+            "cross-entropy: softmax over this device's vocabulary block", t * (model.padded_vocab_size // n) * e
+        ),
     )
     terms = tuple(term for term in blocks + outside if term.total)
     return ActivationTheory(terms, layers, model.remat, exact_blocks=model.remat != "none")

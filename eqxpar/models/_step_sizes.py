@@ -30,8 +30,14 @@ class GPTStepSizes:
 
 
 def gpt_step_sizes(
-    who: str, model: Any, mesh: Mesh, batch_size: int, seq_len: int, *,
-    batch_axis: AxisNames | None, context_axis: str | None,
+    who: str,
+    model: Any,
+    mesh: Mesh,
+    batch_size: int,
+    seq_len: int,
+    *,
+    batch_axis: AxisNames | None,
+    context_axis: str | None,
 ) -> GPTStepSizes:
     """Check a GPT theory's arguments and return the step's per-device sizes.
 
@@ -43,10 +49,20 @@ def gpt_step_sizes(
     if not isinstance(model, GPT):
         raise ValueError(f"{who}: model must be an eqxpar.models.GPT, got {type(model).__name__}.")
     n = check_axes(mesh, model.axis_name, who=who, arg="the GPT's axis_name", role="to split the layers over")
-    replicas = 1 if batch_axis is None else check_axes(mesh, batch_axis, who=who, arg="batch_axis", role="to split the batch over")
-    contexts = 1 if context_axis is None else check_axes(mesh, context_axis, who=who, arg="context_axis", role="to split the sequence over")
+    replicas = (
+        1
+        if batch_axis is None
+        else check_axes(mesh, batch_axis, who=who, arg="batch_axis", role="to split the batch over")
+    )
+    contexts = (
+        1
+        if context_axis is None
+        else check_axes(mesh, context_axis, who=who, arg="context_axis", role="to split the sequence over")
+    )
     if not (isinstance(batch_size, int) and batch_size > 0 and batch_size % replicas == 0):
-        raise ValueError(f"{who}: batch_size must be a positive multiple of the {replicas} data shards, got {batch_size!r}.")
+        raise ValueError(
+            f"{who}: batch_size must be a positive multiple of the {replicas} data shards, got {batch_size!r}."
+        )
     if not (isinstance(seq_len, int) and 0 < seq_len <= model.context_length and seq_len % contexts == 0):
         raise ValueError(
             f"{who}: seq_len must be in 1..{model.context_length} (the GPT's context) and split over the "

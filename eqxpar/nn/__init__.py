@@ -10,9 +10,7 @@ communication by hand (`psum`, `all_gather`, `pmax`).
 mesh = eqxpar.make_mesh(model=4)
 mlp = eqxpar.nn.ParallelMLP(64, 64, 256, key=jax.random.key(0))
 specs = eqxpar.nn.partition_specs(mlp, mesh)
-forward = eqxpar.filter_shard_map(
-    lambda mlp, x: jax.vmap(mlp)(x), mesh=mesh, in_specs=(specs, P()), out_specs=P()
-)
+forward = eqxpar.filter_shard_map(lambda mlp, x: jax.vmap(mlp)(x), mesh=mesh, in_specs=(specs, P()), out_specs=P())
 y = forward(eqxpar.shard(mlp, mesh, specs), x)  # equals eqx.nn.MLP's output
 ```
 """

@@ -114,22 +114,33 @@ class ParallelMultiheadAttention(TensorParallelLayer):
         """
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(
-                f"ParallelMultiheadAttention: attention_impl must be one of {ATTENTION_IMPLS}, "
-                f"got {attention_impl!r}."
+                f"ParallelMultiheadAttention: attention_impl must be one of {ATTENTION_IMPLS}, got {attention_impl!r}."
             )
         if context_layout not in LAYOUTS:
-            raise ValueError(f"ParallelMultiheadAttention: context_layout must be one of {LAYOUTS}, got {context_layout!r}.")
+            raise ValueError(
+                f"ParallelMultiheadAttention: context_layout must be one of {LAYOUTS}, got {context_layout!r}."
+            )
         dense = eqx.nn.MultiheadAttention(
-            num_heads, query_size, key_size, value_size, output_size, qk_size, vo_size,
-            use_query_bias, use_key_bias, use_value_bias, use_output_bias, dropout_p,
-            inference, dtype, key=key,
+            num_heads,
+            query_size,
+            key_size,
+            value_size,
+            output_size,
+            qk_size,
+            vo_size,
+            use_query_bias,
+            use_key_bias,
+            use_value_bias,
+            use_output_bias,
+            dropout_p,
+            inference,
+            dtype,
+            key=key,
         )
         self.query_proj = ColumnParallelLinear.from_dense(dense.query_proj, axis_name=axis_name)
         self.key_proj = ColumnParallelLinear.from_dense(dense.key_proj, axis_name=axis_name)
         self.value_proj = ColumnParallelLinear.from_dense(dense.value_proj, axis_name=axis_name)
-        self.output_proj = RowParallelLinear.from_dense(
-            dense.output_proj, input_is_split=True, axis_name=axis_name
-        )
+        self.output_proj = RowParallelLinear.from_dense(dense.output_proj, input_is_split=True, axis_name=axis_name)
         self.dropout = dense.dropout
         self.num_heads = dense.num_heads
         self.query_size = dense.query_size
@@ -175,10 +186,24 @@ class ParallelMultiheadAttention(TensorParallelLayer):
             )
         a = attention
         layer = skeleton(
-            cls, a.num_heads, a.query_size, a.key_size, a.value_size, a.output_size, a.qk_size,
-            a.vo_size, a.use_query_bias, a.use_key_bias, a.use_value_bias, a.use_output_bias,
-            a.dropout.p, a.dropout.inference, a.query_proj.weight.dtype,
-            causal=causal, attention_impl=attention_impl, axis_name=axis_name,
+            cls,
+            a.num_heads,
+            a.query_size,
+            a.key_size,
+            a.value_size,
+            a.output_size,
+            a.qk_size,
+            a.vo_size,
+            a.use_query_bias,
+            a.use_key_bias,
+            a.use_value_bias,
+            a.use_output_bias,
+            a.dropout.p,
+            a.dropout.inference,
+            a.query_proj.weight.dtype,
+            causal=causal,
+            attention_impl=attention_impl,
+            axis_name=axis_name,
         )
         return eqx.tree_at(
             lambda l: (l.query_proj, l.key_proj, l.value_proj, l.output_proj),
@@ -197,10 +222,22 @@ class ParallelMultiheadAttention(TensorParallelLayer):
         The causal mask is not part of the dense layer: pass it as its `mask` argument.
         """
         dense = eqx.filter_eval_shape(
-            eqx.nn.MultiheadAttention, self.num_heads, self.query_size, self.key_size,
-            self.value_size, self.output_size, self.qk_size, self.vo_size, self.use_query_bias,
-            self.use_key_bias, self.use_value_bias, self.use_output_bias, self.dropout.p,
-            self.dropout.inference, self.query_proj.weight.dtype, key=jax.random.key(0),
+            eqx.nn.MultiheadAttention,
+            self.num_heads,
+            self.query_size,
+            self.key_size,
+            self.value_size,
+            self.output_size,
+            self.qk_size,
+            self.vo_size,
+            self.use_query_bias,
+            self.use_key_bias,
+            self.use_value_bias,
+            self.use_output_bias,
+            self.dropout.p,
+            self.dropout.inference,
+            self.query_proj.weight.dtype,
+            key=jax.random.key(0),
         )
         return eqx.tree_at(
             lambda d: (d.query_proj, d.key_proj, d.value_proj, d.output_proj),
@@ -266,8 +303,7 @@ class ParallelMultiheadAttention(TensorParallelLayer):
             if sequence_dim is not None:
                 if sequence_dim % query.ndim != query.ndim - 2:
                     raise ValueError(
-                        f"{type(self).__name__}: sequence_dim must be the sequence dimension, -2, "
-                        f"got {sequence_dim}."
+                        f"{type(self).__name__}: sequence_dim must be the sequence dimension, -2, got {sequence_dim}."
                     )
                 # Gather each distinct input once: self-attention's three projections read one array.
                 gathered = {id(a): gather_sequence(a, self.axis_name, -2) for a in (query, key_, value)}

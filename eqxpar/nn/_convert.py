@@ -63,9 +63,7 @@ def partition_specs(tree: PyTree, mesh: Mesh | None = None) -> PyTree[PartitionS
                     f"layer densely) or build the layer with axis_name set to a mesh axis."
                 )
             node.check_axis_size(mesh.shape[node.axis_name], where)
-    return jax.tree.map(
-        lambda node: node.specs() if _is_tp(node) else PartitionSpec(), tree, is_leaf=_is_tp
-    )
+    return jax.tree.map(lambda node: node.specs() if _is_tp(node) else PartitionSpec(), tree, is_leaf=_is_tp)
 
 
 def from_dense(

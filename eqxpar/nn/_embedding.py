@@ -69,8 +69,7 @@ class VocabParallelEmbedding(TensorParallelLayer):
         """
         if not isinstance(embedding, eqx.nn.Embedding):
             raise ValueError(
-                f"VocabParallelEmbedding.from_dense needs an eqx.nn.Embedding, got "
-                f"{type(embedding).__name__}."
+                f"VocabParallelEmbedding.from_dense needs an eqx.nn.Embedding, got {type(embedding).__name__}."
             )
         num, size = embedding.weight.shape
         layer = eqx.filter_eval_shape(
@@ -129,9 +128,7 @@ class VocabParallelEmbedding(TensorParallelLayer):
                     f"eqxpar.nn.partition_specs(layer) as the layer's in_specs."
                 )
             if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
-                raise ValueError(
-                    f"VocabParallelEmbedding: expected integer token ids, got dtype {jnp.result_type(x)}."
-                )
+                raise ValueError(f"VocabParallelEmbedding: expected integer token ids, got dtype {jnp.result_type(x)}.")
             row = x - jax.lax.axis_index(self.axis_name) * rows  # the tokens' rows in our block
             ours = (row >= 0) & (row < rows)
             vectors = jnp.where(ours[..., None], jnp.take(self.weight, jnp.clip(row, 0, rows - 1), axis=0), 0)

@@ -277,7 +277,10 @@ class RowParallelLinear(TensorParallelLayer):
             _check_local(self, (self.out_features, self.in_features // size), size)
             if self.input_is_split:
                 _check_input(
-                    self, x, self.in_features // size, "this device's block of the input",
+                    self,
+                    x,
+                    self.in_features // size,
+                    "this device's block of the input",
                     hint=" To pass the whole input instead, build the layer with input_is_split=False.",
                 )
             else:
@@ -307,7 +310,11 @@ def linear(x: Array, weight: Array, bias: Array | None) -> Array:
 
 def _dense_linear(in_features: int, out_features: int, weight, bias) -> eqx.nn.Linear:
     linear = eqx.filter_eval_shape(
-        eqx.nn.Linear, in_features, out_features, bias is not None, dtype=weight.dtype,
+        eqx.nn.Linear,
+        in_features,
+        out_features,
+        bias is not None,
+        dtype=weight.dtype,
         key=jax.random.key(0),
     )
     linear = eqx.tree_at(lambda l: l.weight, linear, weight)

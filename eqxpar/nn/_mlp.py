@@ -75,13 +75,19 @@ class ParallelMLP(TensorParallelLayer):
         - `key`: the initialisation key.
         """
         dense = eqx.nn.MLP(
-            in_size, out_size, width_size, 1, activation, final_activation, use_bias,
-            use_final_bias, dtype=dtype, key=key,
+            in_size,
+            out_size,
+            width_size,
+            1,
+            activation,
+            final_activation,
+            use_bias,
+            use_final_bias,
+            dtype=dtype,
+            key=key,
         )
         self.hidden = ColumnParallelLinear.from_dense(dense.layers[0], axis_name=axis_name)
-        self.output = RowParallelLinear.from_dense(
-            dense.layers[1], input_is_split=True, axis_name=axis_name
-        )
+        self.output = RowParallelLinear.from_dense(dense.layers[1], input_is_split=True, axis_name=axis_name)
         self.activation = activation
         self.final_activation = final_activation
         self.dropout = eqx.nn.Dropout(dropout_p, inference=inference)
@@ -93,9 +99,7 @@ class ParallelMLP(TensorParallelLayer):
         self.axis_name = axis_name
 
     @classmethod
-    def from_dense(
-        cls, mlp: eqx.nn.MLP, *, dropout_p: float = 0.0, axis_name: str = "model"
-    ) -> ParallelMLP:
+    def from_dense(cls, mlp: eqx.nn.MLP, *, dropout_p: float = 0.0, axis_name: str = "model") -> ParallelMLP:
         """The tensor-parallel form (global) of a dense `eqx.nn.MLP` with `depth=1`.
 
         **Arguments:**
@@ -126,8 +130,16 @@ class ParallelMLP(TensorParallelLayer):
                     f"parameter-free elementwise activations are supported."
                 )
         layer = skeleton(
-            cls, mlp.in_size, mlp.out_size, mlp.width_size, mlp.activation, mlp.final_activation,
-            mlp.use_bias, mlp.use_final_bias, dropout_p, dtype=mlp.layers[0].weight.dtype,
+            cls,
+            mlp.in_size,
+            mlp.out_size,
+            mlp.width_size,
+            mlp.activation,
+            mlp.final_activation,
+            mlp.use_bias,
+            mlp.use_final_bias,
+            dropout_p,
+            dtype=mlp.layers[0].weight.dtype,
             axis_name=axis_name,
         )
         return eqx.tree_at(
@@ -142,9 +154,17 @@ class ParallelMLP(TensorParallelLayer):
     def to_dense(self) -> eqx.nn.MLP:
         """The dense `eqx.nn.MLP` (`depth=1`) with this layer's (global) weights."""
         mlp = eqx.filter_eval_shape(
-            eqx.nn.MLP, self.in_size, self.out_size, self.width_size, 1, self.activation,
-            self.final_activation, self.use_bias, self.use_final_bias,
-            dtype=self.hidden.weight.dtype, key=jax.random.key(0),
+            eqx.nn.MLP,
+            self.in_size,
+            self.out_size,
+            self.width_size,
+            1,
+            self.activation,
+            self.final_activation,
+            self.use_bias,
+            self.use_final_bias,
+            dtype=self.hidden.weight.dtype,
+            key=jax.random.key(0),
         )
         return eqx.tree_at(lambda m: m.layers, mlp, (self.hidden.to_dense(), self.output.to_dense()))
 

@@ -78,8 +78,12 @@ def _fit_problem(style: str, node: Any) -> str | None:
     if style == "replicate":
         return None
     wanted = {
-        "column": eqx.nn.Linear, "column_gathered": eqx.nn.Linear, "row": eqx.nn.Linear,
-        "vocab": eqx.nn.Embedding, "mlp": eqx.nn.MLP, "attention": eqx.nn.MultiheadAttention,
+        "column": eqx.nn.Linear,
+        "column_gathered": eqx.nn.Linear,
+        "row": eqx.nn.Linear,
+        "vocab": eqx.nn.Embedding,
+        "mlp": eqx.nn.MLP,
+        "attention": eqx.nn.MultiheadAttention,
     }[style]
     if not isinstance(node, wanted):
         return f"style {style!r} takes an {STYLES[style].takes}"
@@ -181,7 +185,8 @@ def _check_not_inside_composite(path: tuple, style: str, by_path: dict) -> None:
         )
         how = (
             f" (it cuts its projections' outputs into its num_heads={outer.num_heads} heads)"
-            if isinstance(outer, eqx.nn.MultiheadAttention) else ""
+            if isinstance(outer, eqx.nn.MultiheadAttention)
+            else ""
         )
         raise ValueError(
             f"parallelize: the plan splits {path_text(path)} as {style!r}, a part of {whole} "
@@ -199,7 +204,11 @@ def _check_pairs(seq: list, axis_name: str) -> None:
         after = seq[i + 1] if i + 1 < len(seq) else None
         if style == "row":
             if before is None or before[2] != "column" or before[1].out_features != node.in_features:
-                what = "nothing" if before is None else f"{path_text(before[0])} ({describe(before[1])}, planned {before[2]!r})"
+                what = (
+                    "nothing"
+                    if before is None
+                    else f"{path_text(before[0])} ({describe(before[1])}, planned {before[2]!r})"
+                )
                 raise ValueError(
                     f"parallelize: 'row' at {path_text(path)} expects its input already split over "
                     f"{axis_name!r} by a 'column' Linear with out_features={node.in_features} right "
@@ -319,8 +328,17 @@ def parallelize(
     for p, node, style in seq:
         where, note = path_text(p), notes.get(p, "")
         if style in ("replicate", "kept"):
-            rows.append(PlanRow(where, describe(node), style, "", "none" if style == "replicate" else "-",
-                                "none" if style == "replicate" else "-", note))
+            rows.append(
+                PlanRow(
+                    where,
+                    describe(node),
+                    style,
+                    "",
+                    "none" if style == "replicate" else "-",
+                    "none" if style == "replicate" else "-",
+                    note,
+                )
+            )
             continue
         try:
             layer = _convert(style, node, axis_name)
@@ -335,8 +353,11 @@ def parallelize(
         split = f"{what}={n}" + ("" if size is None else f" -> {n // size} per device")
         if style == "column" and p == last:
             note = f"output stays split over {axis_name!r}: take the loss with eqxpar.nn.vocab_parallel_cross_entropy"
-        rows.append(PlanRow(where, describe(node), style, split, STYLES[style].text("forward"),
-                            STYLES[style].text("backward"), note))
+        rows.append(
+            PlanRow(
+                where, describe(node), style, split, STYLES[style].text("forward"), STYLES[style].text("backward"), note
+            )
+        )
         new[p] = layer
 
     model = _replace(model, new)

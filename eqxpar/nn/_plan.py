@@ -120,7 +120,12 @@ def stacked_weight(node: Any) -> tuple[str, tuple[int, ...]] | None:
             inside_tp.append(path)
             continue
         weight = getattr(sub, "weight", None)
-        if isinstance(sub, (eqx.nn.Linear, eqx.nn.Embedding)) and weight is not None and eqx.is_array(weight) and weight.ndim > 2:
+        if (
+            isinstance(sub, (eqx.nn.Linear, eqx.nn.Embedding))
+            and weight is not None
+            and eqx.is_array(weight)
+            and weight.ndim > 2
+        ):
             return ".".join(filter(None, [path_text(path).replace("<root>", ""), "weight"])), tuple(weight.shape)
     return None
 

@@ -154,7 +154,12 @@ def _check_qkv(q, k, v, who: str) -> None:
             f"{who}: q, k and v must be (*batch, seq, heads, dim) with the same rank, got shapes "
             f"{q.shape}, {k.shape}, {v.shape}."
         )
-    if k.shape[:-1] != v.shape[:-1] or q.shape[:-3] != k.shape[:-3] or q.shape[-2] != k.shape[-2] or q.shape[-1] != k.shape[-1]:
+    if (
+        k.shape[:-1] != v.shape[:-1]
+        or q.shape[:-3] != k.shape[:-3]
+        or q.shape[-2] != k.shape[-2]
+        or q.shape[-1] != k.shape[-1]
+    ):
         raise ValueError(
             f"{who}: q {q.shape}, k {k.shape} and v {v.shape} do not fit together: they need the same "
             f"batch dimensions, heads and sequence block, and q and k the same head size."
@@ -277,7 +282,9 @@ def _ring_forward_pass(q, k, v, axis_name, causal, layout):
                 state = _fold(state, q, k, v, scale, visible)
             elif layout == "contiguous":
                 # An earlier device's block is wholly visible, a later one's wholly hidden.
-                state = jax.lax.cond(earlier, lambda st, k, v: _fold(st, q, k, v, scale, None), lambda st, k, v: st, state, k, v)
+                state = jax.lax.cond(
+                    earlier, lambda st, k, v: _fold(st, q, k, v, scale, None), lambda st, k, v: st, state, k, v
+                )
             else:
                 # Zigzag: an earlier device's first chunk is visible to all our rows (its
                 # second chunk to none); a later device's whole block is visible to our
@@ -285,8 +292,12 @@ def _ring_forward_pass(q, k, v, axis_name, causal, layout):
                 state = jax.lax.cond(
                     earlier,
                     lambda st, k, v: _fold(st, q, k[..., :half, :, :], v[..., :half, :, :], scale, None),
-                    lambda st, k, v: _with_late_rows(st, _fold(_late_rows(st, half), q[..., half:, :, :], k, v, scale, None), half),
-                    state, k, v,
+                    lambda st, k, v: _with_late_rows(
+                        st, _fold(_late_rows(st, half), q[..., half:, :, :], k, v, scale, None), half
+                    ),
+                    state,
+                    k,
+                    v,
                 )
             if step < size - 1:
                 k, v = jax.lax.ppermute((k, v), axis_name, perm)
@@ -357,13 +368,17 @@ def _ring_bwd(axis_name, causal, layout, residuals, d_out):
                 visible = _visible(q_pos, _positions_of(source, local, size, layout), causal)
                 acc = grads(acc, q, k, v, every, every, visible)
             elif layout == "contiguous":
-                acc = jax.lax.cond(earlier, lambda a, k, v: grads(a, q, k, v, every, every, None), lambda a, k, v: a, acc, k, v)
+                acc = jax.lax.cond(
+                    earlier, lambda a, k, v: grads(a, q, k, v, every, every, None), lambda a, k, v: a, acc, k, v
+                )
             else:
                 acc = jax.lax.cond(
                     earlier,
                     lambda a, k, v: grads(a, q, k[..., first, :, :], v[..., first, :, :], every, first, None),
                     lambda a, k, v: grads(a, q[..., second, :, :], k, v, second, every, None),
-                    acc, k, v,
+                    acc,
+                    k,
+                    v,
                 )
             dq, dk, dv = acc
             if step < size - 1:

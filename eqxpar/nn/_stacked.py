@@ -84,8 +84,7 @@ class StackedLayers(TensorParallelLayer):
         """
         dynamic, static = eqx.partition(self.layers, _is_array_like)
         return tuple(
-            eqx.combine(jax.tree.map(lambda x, i=i: _index(x, i), dynamic), static)
-            for i in range(self.num_layers)
+            eqx.combine(jax.tree.map(lambda x, i=i: _index(x, i), dynamic), static) for i in range(self.num_layers)
         )
 
     def __len__(self) -> int:

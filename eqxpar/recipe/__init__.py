@@ -11,11 +11,13 @@ class Config:
     mesh: str = "auto"  # e.g. data=8; auto: the largest data axis the devices allow
     steps: int = 300  # training steps
 
+
 def check_flags(cfg: Config) -> Config:  # raises ValueError, or returns the completed config
     eqxpar.recipe.require_positive(cfg, "steps")
     eqxpar.simulate_cpu_devices(cfg.devices)  # before JAX starts
     sizes = eqxpar.recipe.mesh_from_flag(cfg.mesh, {"data": 8})
     return dataclasses.replace(cfg, mesh=eqxpar.recipe.mesh_text(sizes))
+
 
 cfg = eqxpar.recipe.parse_flags(Config, validate=check_flags)  # bad flags: one line, exit 2
 ```

@@ -291,7 +291,9 @@ def mesh_from_flag(
         for what, number in divides.get(axis, {}).items():
             if number % size:
                 fits = [d for d in range(1, number + 1) if number % d == 0]
-                raise ValueError(f"--mesh {text}: {axis}={size} does not divide {what} {number}; use a {axis} size from {fits}.")
+                raise ValueError(
+                    f"--mesh {text}: {axis}={size} does not divide {what} {number}; use a {axis} size from {fits}."
+                )
     if math.prod(sizes.values()) > count:
         need = math.prod(sizes.values())
         raise ValueError(

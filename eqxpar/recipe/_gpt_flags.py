@@ -118,7 +118,8 @@ def speed_metrics(tokens_per_second: float, flops_per_token: float, n_devices: i
         "flops_per_second": tokens_per_second * flops_per_token if timed else None,
         # No rate (a one-step run: its step included the compile) and no peak: no MFU.
         "mfu": mfu(tokens_per_second, flops_per_token, n_devices, jax.devices()[0], jnp.dtype(dtype))
-        if timed else None,
+        if timed
+        else None,
     }
 
 

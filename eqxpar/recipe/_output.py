@@ -51,6 +51,7 @@ def progress(iterable: Iterable, *, total: int | None = None, desc: str = "train
         # In a log, `set_postfix` must not redraw the bar on every call: the new numbers
         # show at the next (throttled) refresh instead.
         set_postfix = bar.set_postfix
+
         def quiet_set_postfix(*args, refresh: bool | None = False, **kw) -> None:
             set_postfix(*args, refresh=refresh, **kw)
 

@@ -3,10 +3,11 @@
 Every builder has one shape, as every optax optimizer does:
 
 ```python
-step = eqxpar.train.hybrid_step(loss_fn, optimizer, mesh, param_specs=..., batch_axis="data",
-                                grad_accum=1, has_state=False)
-model, opt_state = step.init(model)          # optimizer state made and placed on the mesh
-model, opt_state, metrics = step(model, opt_state, batch, key)   # metrics: loss, grad_norm
+step = eqxpar.train.hybrid_step(
+    loss_fn, optimizer, mesh, param_specs=..., batch_axis="data", grad_accum=1, has_state=False
+)
+model, opt_state = step.init(model)  # optimizer state made and placed on the mesh
+model, opt_state, metrics = step(model, opt_state, batch, key)  # metrics: loss, grad_norm
 ```
 
 - [`eqxpar.train.data_parallel_step`][]: a copy of the model per device, the batch split.

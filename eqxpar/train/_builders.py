@@ -101,8 +101,17 @@ def _build(
         plans = leaf_plans(specs, model, batch_axes, who)
         grad_specs = jax.tree.map(lambda s, x: s if eqx.is_inexact_array(x) else None, specs, model, is_leaf=is_spec)
         per_device = per_device_gradients(
-            who, loss_fn, batch_axes=batch_axes, key_axes=axis_names(batch_axis), share=share, grad_accum=grad_accum,
-            has_state=has_state, units=units, remat=remat, plans=plans, precision=precision,
+            who,
+            loss_fn,
+            batch_axes=batch_axes,
+            key_axes=axis_names(batch_axis),
+            share=share,
+            grad_accum=grad_accum,
+            has_state=has_state,
+            units=units,
+            remat=remat,
+            plans=plans,
+            precision=precision,
         )
         replicated = PartitionSpec()
         # With check_vma, JAX tracks which values vary over which axes and refuses to
@@ -124,8 +133,14 @@ def _build(
         return model, state, opt_state, {"loss": loss, "grad_norm": jnp.sqrt(grad_sq)}
 
     return TrainStep(
-        step, who=who, optimizer=optimizer, specs_for=specs_for, mesh=mesh,
-        batch_axis=batch_axis, grad_accum=grad_accum, has_state=has_state,
+        step,
+        who=who,
+        optimizer=optimizer,
+        specs_for=specs_for,
+        mesh=mesh,
+        batch_axis=batch_axis,
+        grad_accum=grad_accum,
+        has_state=has_state,
     )
 
 
@@ -207,8 +222,16 @@ def data_parallel_step(
       optimizer state whose buffers an earlier call consumed (donated).
     """
     return _build(
-        "data_parallel_step", loss_fn, optimizer, mesh, param_specs=_fixed(param_specs),
-        batch_axis=batch_axis, grad_accum=grad_accum, has_state=has_state, precision=precision, splits_batch_axis=False,
+        "data_parallel_step",
+        loss_fn,
+        optimizer,
+        mesh,
+        param_specs=_fixed(param_specs),
+        batch_axis=batch_axis,
+        grad_accum=grad_accum,
+        has_state=has_state,
+        precision=precision,
+        splits_batch_axis=False,
         context_axis=context_axis,
     )
 
@@ -297,8 +320,16 @@ def hybrid_step(
         )
     specs_of = (lambda model: partition_specs(model, mesh)) if param_specs is None else _fixed(param_specs)
     return _build(
-        "hybrid_step", loss_fn, optimizer, mesh, param_specs=specs_of,
-        batch_axis=batch_axis, grad_accum=grad_accum, has_state=has_state, precision=precision, splits_batch_axis=False,
+        "hybrid_step",
+        loss_fn,
+        optimizer,
+        mesh,
+        param_specs=specs_of,
+        batch_axis=batch_axis,
+        grad_accum=grad_accum,
+        has_state=has_state,
+        precision=precision,
+        splits_batch_axis=False,
         context_axis=context_axis,
     )
 
@@ -401,7 +432,17 @@ def fsdp_step(
     else:
         specs_of = _fixed(param_specs)
     return _build(
-        "fsdp_step", loss_fn, optimizer, mesh, param_specs=specs_of, batch_axis=batch_axis,
-        grad_accum=grad_accum, has_state=has_state, precision=precision, splits_batch_axis=True, units=units, remat=remat,
+        "fsdp_step",
+        loss_fn,
+        optimizer,
+        mesh,
+        param_specs=specs_of,
+        batch_axis=batch_axis,
+        grad_accum=grad_accum,
+        has_state=has_state,
+        precision=precision,
+        splits_batch_axis=True,
+        units=units,
+        remat=remat,
         context_axis=context_axis,
     )

@@ -16,7 +16,9 @@ from ..nn import StackedLayers, TensorParallelLayer
 from ..nn._plan import stacked_weight
 
 
-def check_builder(who: str, loss_fn: Any, optimizer: Any, mesh: Any, batch_axis: Any, grad_accum: Any, has_state: Any) -> int:
+def check_builder(
+    who: str, loss_fn: Any, optimizer: Any, mesh: Any, batch_axis: Any, grad_accum: Any, has_state: Any
+) -> int:
     """Check a builder's common arguments at once; return the number of batch shards."""
     n_batch = check_axes(mesh, batch_axis, who=who, arg="batch_axis", role="to split the batch over")
     if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
@@ -175,8 +177,7 @@ def checked_loss(value: Any, has_state: bool, who: str) -> tuple[Array, Any]:
     if has_state:
         if not (isinstance(value, tuple) and len(value) == 2):
             raise ValueError(
-                f"{who}(has_state=True): loss_fn must return a pair (loss, state), "
-                f"got {type(value).__name__}."
+                f"{who}(has_state=True): loss_fn must return a pair (loss, state), got {type(value).__name__}."
             )
         value, state = value
     shape = getattr(value, "shape", None)
@@ -230,6 +231,7 @@ def check_model_axes(
     (`attention_impl` `"ring"` or `"all_gather"`) needs the step to split every sequence over
     its context axis (`context_axis=`). Else, inside the step, JAX's `NameError: unbound axis
     name` (or an out_specs error) with no word of which layer or which fix."""
+
     def layers(node, where):
         yield where, node
         for path, sub in jax.tree_util.tree_flatten_with_path(
@@ -273,7 +275,8 @@ def check_model_axes(
                     f"Build the model with attention_impl='dot_product' (or 'reference') to train it here."
                 )
             on_mesh = (
-                "" if ring in names
+                ""
+                if ring in names
                 else f" on a mesh with that axis (the mesh's axes: {_mesh_axes_text(mesh)}; e.g. "
                 f"eqxpar.make_mesh(data=..., {ring}=2, ...))"
             )

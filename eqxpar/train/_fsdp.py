@@ -59,7 +59,9 @@ def fsdp_specs(
         )
     if not isinstance(min_size, int) or min_size < 0:
         raise ValueError(f"fsdp_specs: min_size must be a non-negative int (elements), got {min_size!r}.")
-    n = check_axes(mesh, batch_axis, who="fsdp_specs", arg="batch_axis", role="to split the parameters and the batch over")
+    n = check_axes(
+        mesh, batch_axis, who="fsdp_specs", arg="batch_axis", role="to split the parameters and the batch over"
+    )
     leaves, treedef = jax.tree_util.tree_flatten(model)
     base = broadcast_specs(param_specs, model, what="param_specs")
     out = []

@@ -48,7 +48,9 @@ class LeafPlan:
     split: tuple[str, ...]
 
 
-def leaf_plans(specs: PyTree[PartitionSpec], model: PyTree, batch_axes: Sequence[str], who: str) -> list[LeafPlan | None]:
+def leaf_plans(
+    specs: PyTree[PartitionSpec], model: PyTree, batch_axes: Sequence[str], who: str
+) -> list[LeafPlan | None]:
     """One plan per leaf of `model` (None for leaves that are not floating-point arrays)."""
     plans: list[LeafPlan | None] = []
     # (Not is_spec: a model's None fields would count as specs.)
@@ -126,7 +128,9 @@ def _as_tuple(nodes):
     return tuple(nodes) if isinstance(nodes, (tuple, list)) else (nodes,)
 
 
-def with_gathers(model: PyTree, gathers: list[Gathers], precision: Precision, units: Callable | None, remat: bool) -> PyTree:
+def with_gathers(
+    model: PyTree, gathers: list[Gathers], precision: Precision, units: Callable | None, remat: bool
+) -> PyTree:
     """The model as the loss sees it: units gather (and cast) on call, every other leaf now."""
     leaves, treedef = jax.tree_util.tree_flatten(model)
     if not any(gathers) and precision.is_identity:
@@ -144,7 +148,10 @@ def with_gathers(model: PyTree, gathers: list[Gathers], precision: Precision, un
     )
     if units is None:
         return merged
-    wrappers = [_gather_on_call(node, tuple(gathers[i] for i in ids_), precision, remat) for node, ids_ in zip(_as_tuple(units(merged)), unit_ids)]
+    wrappers = [
+        _gather_on_call(node, tuple(gathers[i] for i in ids_), precision, remat)
+        for node, ids_ in zip(_as_tuple(units(merged)), unit_ids)
+    ]
     return eqx.tree_at(lambda m: _as_tuple(units(m)), merged, wrappers)
 
 
@@ -216,7 +223,9 @@ def per_device_gradients(
                 k, micro_batch = inputs
                 micro_key = None if key is None else jax.random.fold_in(key, k)
                 record_saved_activations(
-                    lambda p: loss_share(p, static, state, micro_batch, micro_key), params, (state, micro_batch, micro_key)
+                    lambda p: loss_share(p, static, state, micro_batch, micro_key),
+                    params,
+                    (state, micro_batch, micro_key),
                 )
                 (loss, state), grads = share_value_and_grad(params, static, state, micro_batch, micro_key)
                 return (loss_sum + loss.astype(jnp.float32), jax.tree.map(jnp.add, grad_sum, grads), state), None
@@ -232,7 +241,9 @@ def per_device_gradients(
     return per_device
 
 
-def _sum_over_copies(loss: Array, grads: PyTree, plans: list[LeafPlan], batch_axes: tuple[str, ...], precision: Precision):
+def _sum_over_copies(
+    loss: Array, grads: PyTree, plans: list[LeafPlan], batch_axes: tuple[str, ...], precision: Precision
+):
     """One psum per set of axes the leaves are copied on (in the reduce dtype); the loss
     rides with the leaves copied on every batch axis (data parallelism: a single combined
     all-reduce)."""

@@ -112,7 +112,9 @@ def _interleave(tree: PyTree, mask: list[bool], P: int, r: int, inverse: bool) -
         x = x.reshape(*shape, *x.shape[1:])
         return jnp.swapaxes(x, 0, 1).reshape(L, *x.shape[3:])
 
-    return jax.tree_util.tree_unflatten(treedef, [move(x) if m and eqx.is_array(x) else x for x, m in zip(leaves, mask)])
+    return jax.tree_util.tree_unflatten(
+        treedef, [move(x) if m and eqx.is_array(x) else x for x, m in zip(leaves, mask)]
+    )
 
 
 def pipeline_step(
@@ -210,7 +212,11 @@ def pipeline_step(
                 f"{who}: {layers} layers do not split into {P} stages x {virtual_stages} virtual stages; "
                 f"use a number of layers divisible by {P * virtual_stages}."
             )
-        given = partition_specs(model) if param_specs is None else (param_specs(model) if callable(param_specs) else param_specs)
+        given = (
+            partition_specs(model)
+            if param_specs is None
+            else (param_specs(model) if callable(param_specs) else param_specs)
+        )
         return pipeline_specs(stages, model, full_specs(given, model, mesh, what="param_specs"), stage_axis)
 
     def step(batch_and_key, model, state, opt_state):
@@ -240,13 +246,16 @@ def pipeline_step(
 
             def whole(p):
                 flat = jax.tree.leaves(p)
-                return jax.tree_util.tree_unflatten(treedef, [whole_leaf(x, q.gathers, precision) for x, q in zip(flat, plans)])
+                return jax.tree_util.tree_unflatten(
+                    treedef, [whole_leaf(x, q.gathers, precision) for x, q in zip(flat, plans)]
+                )
 
             if schedule == "1f1b":
                 gathered, scatter = jax.vjp(whole, params)
                 loss, grads = one_f_one_b(gathered, static, batch, key, plan)
                 (grads,) = scatter(grads)
             else:
+
                 def local(p):
                     return gpipe_loss(eqx.combine(whole(p), static), batch, key, plan)
 
@@ -287,9 +296,16 @@ def pipeline_step(
         opt_state = constrain_to_specs(opt_state, optimizer_specs(optimizer, opt_state, model, specs), mesh)
         return model, state, opt_state, {"loss": loss, "grad_norm": jnp.sqrt(grad_sq)}
 
-    out = TrainStep(step, who=who, optimizer=optimizer, specs_for=specs_for, mesh=mesh,
-                    batch_axis=batch_axis, grad_accum=microbatches, has_state=False)
+    out = TrainStep(
+        step,
+        who=who,
+        optimizer=optimizer,
+        specs_for=specs_for,
+        mesh=mesh,
+        batch_axis=batch_axis,
+        grad_accum=microbatches,
+        has_state=False,
+    )
     out.schedule = table
     out.stage_axis = stage_axis
     return out
-

@@ -63,7 +63,9 @@ def _pick(tree: PyTree, i: Array | int) -> PyTree:
 def _chunks(model: PyTree, plan: PipelinePlan) -> PyTree:
     """This device's stacked layers as `(virtual_stages, chunk, ...)`."""
     r = plan.schedule.virtual_stages
-    return jax.tree.map(lambda x: x.reshape(r, x.shape[0] // r, *x.shape[1:]) if eqx.is_array(x) else x, plan.stages.layers(model))
+    return jax.tree.map(
+        lambda x: x.reshape(r, x.shape[0] // r, *x.shape[1:]) if eqx.is_array(x) else x, plan.stages.layers(model)
+    )
 
 
 def stage_pass(model: PyTree, x_in: PyTree, micro_batch: PyTree, mkey: Any, chunk: Array, plan: PipelinePlan):
@@ -98,8 +100,9 @@ def _row(table, t, s):
 def _activation_like(model: PyTree, micros: PyTree, key: Any, plan: PipelinePlan) -> PyTree:
     """Zeros shaped like one stage's output, typed as varying like the activations."""
     mkey = _key_of(key, 0, plan)
-    x, _ = eqx.filter_eval_shape(lambda m, b: stage_pass(m, plan.stages.first(m, b, None), b, mkey, jnp.int32(0), plan),
-                          model, _pick(micros, 0))
+    x, _ = eqx.filter_eval_shape(
+        lambda m, b: stage_pass(m, plan.stages.first(m, b, None), b, mkey, jnp.int32(0), plan), model, _pick(micros, 0)
+    )
     zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), x)
     return _varying(zeros, tuple(sorted(set(plan.batch_axes) | {plan.stage_axis} | set(_vma(x)))))
 

@@ -66,7 +66,9 @@ def optimizer_specs(
 
     A tree of `PartitionSpec`s with the structure of `opt_state`.
     """
-    specs = jax.tree_util.tree_unflatten(jax.tree.structure(model), broadcast_specs(param_specs, model, what="param_specs"))
+    specs = jax.tree_util.tree_unflatten(
+        jax.tree.structure(model), broadcast_specs(param_specs, model, what="param_specs")
+    )
     # optax states hold `eqx.filter(model, eqx.is_inexact_array)`-shaped trees, with None
     # where the model has other leaves: give the spec tree the same holes.
     specs = jax.tree.map(lambda s, x: s if eqx.is_inexact_array(x) else None, specs, model, is_leaf=is_spec)

@@ -31,8 +31,9 @@ class Precision:
     softmax's max and sum) in float32 inside `loss_fn` (eqxpar's cross-entropy does).
 
     ```python
-    step = eqxpar.train.hybrid_step(loss_fn, optimizer, mesh,
-                                    precision=eqxpar.train.Precision(compute_dtype=jnp.bfloat16))
+    step = eqxpar.train.hybrid_step(
+        loss_fn, optimizer, mesh, precision=eqxpar.train.Precision(compute_dtype=jnp.bfloat16)
+    )
     ```
     """
 

@@ -58,7 +58,5 @@ def record_saved_activations(fn: Callable, primals: Any, held: Any) -> None:
             f"they cannot be counted here."
         )
     inputs = {id(x) for x in jax.tree.leaves((primals, held))}
-    residuals = {
-        id(x): x for x in leaves if isinstance(x, jax.core.Tracer) and id(x) not in inputs
-    }
+    residuals = {id(x): x for x in leaves if isinstance(x, jax.core.Tracer) and id(x) not in inputs}
     record.append(sum(x.size * x.dtype.itemsize for x in residuals.values()))

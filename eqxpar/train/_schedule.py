@@ -88,7 +88,10 @@ class Schedule:
             row = []
             for t in range(self.ticks):
                 parts = []
-                for tag, mb, chunk in (("F", self.forward, self.forward_chunk), ("B", self.backward, self.backward_chunk)):
+                for tag, mb, chunk in (
+                    ("F", self.forward, self.forward_chunk),
+                    ("B", self.backward, self.backward_chunk),
+                ):
                     if mb[t, s] >= 0:
                         parts.append(f"{tag}{mb[t, s]}" + (f".{chunk[t, s]}" if self.virtual_stages > 1 else ""))
                 row.append("+".join(parts) or ".")
@@ -164,8 +167,9 @@ def make_schedule(schedule: str, stages: int, microbatches: int, virtual_stages:
         backward = np.concatenate([idle, fwd[::-1]])
         backward_chunk = np.concatenate([idle, fchunk[::-1]])
         T = fwd.shape[0]
-        return Schedule(schedule, P, M, r, forward, forward_chunk, backward, backward_chunk,
-                        (("forward", 0, T), ("backward", T, T)))
+        return Schedule(
+            schedule, P, M, r, forward, forward_chunk, backward, backward_chunk, (("forward", 0, T), ("backward", T, T))
+        )
     # 1F1B: forward of micro-batch i on stage s at tick i + s; the last stage runs its
     # backward in the same tick as its forward, and each gradient moves one stage up per
     # tick, so stage s runs micro-batch i's backward at tick i + 2(P-1) - s.

@@ -132,7 +132,9 @@ class TrainStep:
         abstract = jax.eval_shape(self._optimizer.init, params)
         opt_specs = optimizer_specs(self._optimizer, abstract, model, specs)
         shardings = jax.tree.map(
-            lambda s: jax.sharding.NamedSharding(self.mesh, s), opt_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+            lambda s: jax.sharding.NamedSharding(self.mesh, s),
+            opt_specs,
+            is_leaf=lambda x: isinstance(x, PartitionSpec),
         )
         opt_state = jax.jit(self._optimizer.init, out_shardings=shardings)(params)
         if self.has_state:
@@ -140,7 +142,11 @@ class TrainStep:
         return model, opt_state
 
     def _arguments(self, args: tuple, kwargs: dict) -> tuple:
-        names = ("model", "state", "opt_state", "batch", "key") if self.has_state else ("model", "opt_state", "batch", "key")
+        names = (
+            ("model", "state", "opt_state", "batch", "key")
+            if self.has_state
+            else ("model", "opt_state", "batch", "key")
+        )
         sig = ", ".join(names)
         unknown = set(kwargs) - set(names)
         if unknown or len(args) > len(names):

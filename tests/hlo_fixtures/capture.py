@@ -26,7 +26,9 @@ KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective
 def save(name: str, mesh: str, fn, *args) -> None:
     text = jax.jit(fn).lower(*args).compile().as_text()
     lines = [line.strip() for line in text.splitlines() if any(f" {k}(" in line for k in KINDS)]
-    header = f"# jax {jax.__version__}, {jax.devices()[0].platform}; mesh {mesh}; compiled.as_text(), collectives only\n"
+    header = (
+        f"# jax {jax.__version__}, {jax.devices()[0].platform}; mesh {mesh}; compiled.as_text(), collectives only\n"
+    )
     (HERE / f"{name}.hlo").write_text(header + "\n".join(lines) + "\n")
 
 
@@ -71,8 +73,12 @@ def permuted():
     mesh = auto_mesh(devices, ("data", "model"))
     x = jax.device_put(jnp.ones((16, 32)), NamedSharding(mesh, P("data", "model")))
     # all-reduce over data, then all-gather over model
-    save("jit_permuted_data2_model4", "data=2,model=4 over devices 0,2,4,6,1,3,5,7",
-         lambda x: jax.lax.with_sharding_constraint(jnp.sum(x, 0), NamedSharding(mesh, P())), x)
+    save(
+        "jit_permuted_data2_model4",
+        "data=2,model=4 over devices 0,2,4,6,1,3,5,7",
+        lambda x: jax.lax.with_sharding_constraint(jnp.sum(x, 0), NamedSharding(mesh, P())),
+        x,
+    )
 
 
 def shard_map_lists():
