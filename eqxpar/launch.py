@@ -67,8 +67,10 @@ class _Tail(deque):
     failure: str | None = None
 
 
-# After a rank exits with EXIT_PEER_FAILED, how long to wait for the rank that caused it.
-_CAUSE_WAIT_S = 5.0
+# After a rank exits with EXIT_PEER_FAILED, how long to wait for the rank that caused it. The
+# cause may first wait up to 5 s for the others to read its failure (a stalled job: 5 s more
+# for them to print their stacks), so 5 s here was seen to name a follower under load.
+_CAUSE_WAIT_S = 15.0
 
 # Gloo prints one of these per connection it makes; they say nothing a user needs. Its
 # threads write them concurrently, so pieces of several can share one line.

@@ -44,9 +44,7 @@ from eqxpar.train import fsdp_specs, fsdp_step
 @dataclasses.dataclass
 class Config(eqxpar.recipe.CheckpointFlags, eqxpar.recipe.LogFlags):  # + checkpoint flags, --log-dir, --log-every
     devices: int = 8  # simulated CPU devices when there is no accelerator
-    mesh: str = (
-        "auto"  # state and batch over `fsdp`, optionally layers over `model` (fsdp=2,model=4); auto: fit the devices
-    )
+    mesh: str = "auto"  # state and batch over `fsdp`, layers optionally over `model` (fsdp=2,model=4); auto: fit
     steps: int = 400  # training steps
     batch_size: int = 32  # the global batch: sequences per step
     context: int = 64  # characters the model sees

@@ -40,9 +40,7 @@ import eqxpar.recipe
 @dataclasses.dataclass
 class Config:
     devices: int = 8  # simulated CPU devices when there is no accelerator
-    mesh: str = (
-        "auto"  # two axes: the 1st splits the 4 rows, the 2nd the 8 columns (e.g. x=2,y=4); auto: fit the devices
-    )
+    mesh: str = "auto"  # two axes: the 1st splits the 4 rows, the 2nd the 8 columns (e.g. x=2,y=4); auto: fit
     metrics_out: str | None = None  # write the results as JSON here
 
 
