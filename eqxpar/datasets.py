@@ -14,6 +14,8 @@ import sysconfig
 
 import numpy as np
 
+from ._optional import require
+
 __all__ = ["digits", "Split", "python_source_text", "CharText", "text_windows"]
 
 
@@ -49,11 +51,10 @@ def digits(test_fraction: float = 0.2, seed: int = 0) -> Split:
     """
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"digits: test_fraction must be in (0, 1), got {test_fraction}.")
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as e:  # pragma: no cover - the `recipes`/`test` extras install it
-        raise ImportError("eqxpar.datasets.digits needs scikit-learn: pip install 'eqxpar[recipes]'") from e
-    pixels, labels = load_digits(return_X_y=True)
+    sklearn_datasets = require(
+        "sklearn.datasets", package="scikit-learn", extra="recipes", purpose="eqxpar.datasets.digits"
+    )
+    pixels, labels = sklearn_datasets.load_digits(return_X_y=True)
     x = (pixels / 16.0).astype(np.float32)
     y = labels.astype(np.int32)
     order = np.random.default_rng(seed).permutation(len(x))
