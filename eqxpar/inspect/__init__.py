@@ -39,6 +39,7 @@ twice that for an all-reduce. A collective over groups of one device moves nothi
 from ._activation_theory import ActivationTerm, ActivationTheory
 from ._collective import COLLECTIVE_KINDS, Collective
 from ._context_theory import context_parallel_theory, sequence_parallel_theory
+from ._expert_theory import expert_parallel_theory
 from ._flops import PEAK_FLOPS, compiled_flops, mfu, peak_flops, transformer_flops_per_token
 from ._hlo import collectives_in_hlo, collectives_in_lowered
 from ._memory import MemoryReport, memory_report
@@ -60,6 +61,7 @@ __all__ = [
     "fsdp_theory",
     "context_parallel_theory",
     "sequence_parallel_theory",
+    "expert_parallel_theory",
     "MemoryReport",
     "memory_report",
     "ActivationTerm",

@@ -21,6 +21,9 @@ from ._convert import from_dense, partition_specs, to_dense
 from ._embedding import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from ._linear import ColumnParallelLinear, RowParallelLinear
 from ._mlp import ParallelMLP
+from ._moe import MixtureOfExperts, MoEAux
+from ._moe_dispatch import expert_capacity
+from ._moe_router import update_router_bias
 from ._norm import gelu, layer_norm
 from ._parallelize import auto_plan, parallelize
 from ._plan import Plan, PlanRow
@@ -41,6 +44,10 @@ __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "ParallelMLP",
+    "MixtureOfExperts",
+    "MoEAux",
+    "update_router_bias",
+    "expert_capacity",
     "ParallelMultiheadAttention",
     "VocabParallelEmbedding",
     "vocab_parallel_cross_entropy",
