@@ -24,6 +24,9 @@ from ._configs import GPT_CONFIGS, GPTConfig, gpt_config
 from ._flops import gpt_flops_per_token, gpt_matmul_params
 from ._generate import generate, whole_logits
 from ._gpt import GPT, next_token_loss, stack_blocks, unstack_blocks
+from ._llama import Llama, llama_flops_per_token, llama_loss, llama_matmul_params
+from ._llama_config import LLAMA_CONFIGS, LlamaConfig, LlamaRopeScaling, llama_config
+from ._llama_layers import LlamaAttention, LlamaBlock, LlamaMLP, RMSNorm, apply_rotary, rope_frequencies
 from ._memory import gpt_activation_theory
 from ._stages import gpt_stages
 
@@ -46,4 +49,18 @@ __all__ = [
     "GPT_CONFIGS",
     "gpt_config",
     "gpt_stages",
+    "Llama",
+    "LlamaConfig",
+    "LlamaRopeScaling",
+    "LLAMA_CONFIGS",
+    "llama_config",
+    "llama_loss",
+    "llama_matmul_params",
+    "llama_flops_per_token",
+    "LlamaBlock",
+    "LlamaAttention",
+    "LlamaMLP",
+    "RMSNorm",
+    "rope_frequencies",
+    "apply_rotary",
 ]

@@ -1,0 +1,300 @@
+"""The Llama: a decoder-only transformer with RMSNorm, rotary embeddings, grouped-query
+attention and SwiGLU MLPs, built from tensor-parallel layers (Hugging Face's field names)."""
+
+from __future__ import annotations
+
+import numbers
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from ..inspect import transformer_flops_per_token
+from ..nn import (
+    ColumnParallelLinear,
+    StackedLayers,
+    TensorParallelLayer,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+from ._block import REMAT_CHOICES, Remat, remat_wrapper
+from ._llama_config import LlamaConfig
+from ._llama_layers import LlamaBlock, RMSNorm, normal_linear, rope_angles, rope_frequencies
+
+__all__ = ["Llama", "llama_loss", "llama_matmul_params", "llama_flops_per_token"]
+
+
+class Llama(TensorParallelLayer):
+    """A Llama-style decoder-only language model with tensor-parallel layers.
+
+    The fields carry Hugging Face's `LlamaForCausalLM` names, so a checkpoint maps onto
+    them one to one: `embed_tokens` (an [`eqxpar.nn.VocabParallelEmbedding`][]),
+    `layers` (each a [`eqxpar.models.LlamaBlock`][]: `input_layernorm`, `self_attn` with
+    `q_proj`, `k_proj`, `v_proj`, `o_proj`, `post_attention_layernorm`, `mlp` with
+    `gate_proj`, `up_proj`, `down_proj`), `norm` and `lm_head` (an
+    [`eqxpar.nn.ColumnParallelLinear`][] over the vocabulary, or `None` with
+    `tie_embeddings`: the head then multiplies by `embed_tokens.weight`). Rotary
+    embeddings rotate channel `i` with channel `i + head_dim / 2` (Hugging Face's
+    convention), so its `q_proj`/`k_proj` weights load unpermuted.
+
+    `Llama(config, key=...)` returns the global form (full-size arrays); place it with
+    `eqxpar.shard(model, mesh, eqxpar.nn.partition_specs(model, mesh))` and call it inside
+    `eqxpar.filter_shard_map` over a mesh with the model axis (size 1 runs it densely), or
+    train it with [`eqxpar.models.llama_loss`][] and any step of `eqxpar.train`
+    (`hybrid_step`, `fsdp_step`, `data_parallel_step`). Over `N` devices of the model
+    axis each device holds `num_heads / N` query heads with their `num_kv_heads / N`
+    key/value heads, `hidden_dim / N` MLP units and `vocab_size / N` rows of the
+    vocabulary: `N` must divide `num_kv_heads`, `num_heads`, `hidden_dim` and
+    `vocab_size` ([`eqxpar.nn.partition_specs`][] with the mesh says which does not).
+
+    **Layers.** `scan_layers=False` keeps `layers` as a tuple of blocks run in a Python
+    loop (named `layer_0`, `layer_1`, ... in the HLO metadata); `scan_layers=True` stores
+    them stacked, as one [`eqxpar.nn.StackedLayers`][], run with `jax.lax.scan` (one
+    compiled block whatever the depth). `remat` is the GPT's choice
+    ([`eqxpar.models.remat_wrapper`][]).
+    """
+
+    embed_tokens: VocabParallelEmbedding
+    layers: tuple[LlamaBlock, ...] | StackedLayers
+    norm: RMSNorm
+    lm_head: ColumnParallelLinear | None
+    config: LlamaConfig = eqx.field(static=True)
+    remat: Remat = eqx.field(static=True)
+    axis_name: str = eqx.field(static=True)
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        *,
+        scan_layers: bool = False,
+        remat: Remat = "none",
+        init_std: float = 0.02,
+        axis_name: str = "model",
+        key: PRNGKeyArray,
+    ):
+        """**Arguments:**
+
+        - `config`: the shape, a [`eqxpar.models.LlamaConfig`][] (e.g.
+          [`eqxpar.models.llama_config`][]`("tiny")`).
+        - `scan_layers`: store the blocks stacked and run them with `jax.lax.scan`.
+        - `remat`: what the backward pass recomputes: `"none"`, `"block"`,
+          `"save_matmuls"` or `"offload"` (as for the GPT).
+        - `init_std`: the standard deviation of the normal the embedding and every linear
+          layer are drawn from (Hugging Face's `initializer_range`, 0.02); norms start at 1.
+        - `axis_name`: the model axis every tensor-parallel layer is split over.
+        - `key`: the initialisation key. The same key gives the same weights for either
+          block layout and any mesh.
+
+        **Raises:**
+
+        - `ValueError` for a config that is not a `LlamaConfig`, an unknown `remat`, a
+          non-boolean `scan_layers`, a non-positive `init_std` or a non-string `axis_name`.
+        """
+        if not isinstance(config, LlamaConfig):
+            raise ValueError(
+                f"Llama: config must be an eqxpar.models.LlamaConfig, got {type(config).__name__}; build one, "
+                f"e.g. eqxpar.models.llama_config('tiny') or LlamaConfig(vocab_size=..., dim=..., ...)."
+            )
+        if remat not in REMAT_CHOICES:
+            raise ValueError(f"Llama: remat must be one of {REMAT_CHOICES}, got {remat!r}.")
+        if isinstance(scan_layers, str) or scan_layers not in (True, False):
+            raise ValueError(f"Llama: scan_layers must be True or False, got {scan_layers!r}.")
+        if not (isinstance(init_std, numbers.Real) and not isinstance(init_std, bool) and init_std > 0):
+            raise ValueError(f"Llama: init_std must be a positive number, got {init_std!r}.")
+        if not isinstance(axis_name, str):
+            raise ValueError(f"Llama: axis_name must be a mesh axis name (a str), got {axis_name!r}.")
+        embed_key, head_key, *block_keys = jax.random.split(key, 2 + config.num_layers)
+        table = init_std * jax.random.normal(embed_key, (config.vocab_size, config.dim))
+        embedding = eqx.filter_eval_shape(eqx.nn.Embedding, config.vocab_size, config.dim, key=embed_key)
+        embedding = eqx.tree_at(lambda e: e.weight, embedding, table)
+        self.embed_tokens = VocabParallelEmbedding.from_dense(embedding, axis_name=axis_name)
+        blocks = tuple(LlamaBlock(config, init_std=init_std, axis_name=axis_name, key=k) for k in block_keys)
+        self.layers = StackedLayers(blocks, axis_name=axis_name) if scan_layers else blocks
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.lm_head = (
+            None
+            if config.tie_embeddings
+            else normal_linear(ColumnParallelLinear, config.dim, config.vocab_size, init_std, axis_name, head_key)
+        )
+        self.config = config
+        self.remat = remat
+        self.axis_name = axis_name
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def scan_layers(self) -> bool:
+        return isinstance(self.layers, StackedLayers)
+
+    def check_axis_size(self, size: int, where: str = "") -> None:
+        """`ValueError` unless the vocabulary, the heads and the MLP split `size` ways."""
+        if self.config.vocab_size % size:
+            raise ValueError(
+                f"Llama: vocab_size={self.config.vocab_size} is not divisible by the {size} devices of the model "
+                f"axis {self.axis_name!r} (the embedding and head split the vocabulary). Use a model axis size "
+                f"that divides {self.config.vocab_size}, or a config whose vocab_size is a multiple of {size} "
+                f"(pad the vocabulary: extra ids are never seen)."
+            )
+        TensorParallelLayer.check_axis_size(self, size, "" if where == "<root>" else where)
+
+    def to_dense(self) -> Llama:
+        """The Llama with every tensor-parallel layer inside it made dense (a tree of
+        `eqx.nn.Linear`s and `eqx.nn.Embedding`, global form only: for inspection and
+        comparison, not to be called)."""
+        return jax.tree.map(
+            lambda node: node.to_dense() if isinstance(node, TensorParallelLayer) else node,
+            self,
+            is_leaf=lambda node: node is not self and isinstance(node, TensorParallelLayer),
+        )
+
+    def head(self) -> ColumnParallelLinear:
+        """The output head: `lm_head`, or with tied embeddings a column-parallel layer over
+        `embed_tokens.weight` (the same split: this device's rows of the vocabulary)."""
+        if self.lm_head is not None:
+            return self.lm_head
+        config = self.config
+        shape = eqx.filter_eval_shape(
+            ColumnParallelLinear, config.dim, config.vocab_size, False, axis_name=self.axis_name, key=jax.random.key(0)
+        )
+        return eqx.tree_at(lambda l: l.weight, shape, self.embed_tokens.weight)
+
+    def __call__(
+        self, tokens: Int[Array, "*batch seq"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "*batch seq vocab_block"]:
+        """Next-token logits on one device (inside `shard_map`).
+
+        **Arguments:**
+
+        - `tokens`: token ids, `(seq,)` or `(*batch, seq)` (computed as whole arrays, no
+          `vmap`), `seq <= max_seq_len`, the same on every device of the model axis.
+        - `key`: ignored (the Llama has no dropout); accepted as every train step passes one.
+
+        **Returns:**
+
+        This device's block of the logits, `(*batch, seq, vocab_size / N)`: pass it to
+        [`eqxpar.nn.vocab_parallel_cross_entropy`][], or return it from `shard_map` with the
+        model axis on its last dimension to assemble the whole logits.
+
+        **Raises:**
+
+        - `ValueError` for token ids without a sequence axis, a sequence longer than
+          `max_seq_len`, or a model axis that does not split the model (see above).
+        """
+        del key
+        with jax.named_scope("Llama"):
+            if tokens.ndim < 1:
+                raise ValueError(f"Llama: tokens must be (seq,) or (*batch, seq), got shape {tokens.shape}.")
+            seq = tokens.shape[-1]
+            if seq > self.config.max_seq_len:
+                raise ValueError(
+                    f"Llama: {seq} tokens per sequence exceed max_seq_len={self.config.max_seq_len}. Pass shorter "
+                    f"sequences (a training batch of (batch, seq + 1) ids: seq <= {self.config.max_seq_len}), or "
+                    f"build the config with a larger max_seq_len."
+                )
+            self._model_axis_size()  # every split checked (heads, vocabulary, MLP) before any layer runs
+            single = tokens.ndim == 1
+            x = self.embed_tokens(tokens[None] if single else tokens)
+            inv_freq = rope_frequencies(self.config.channels, self.config.rope_theta, self.config.scaling)
+            cos, sin = rope_angles(seq, inv_freq, x.dtype)
+            wrap = remat_wrapper(self.remat)
+            if isinstance(self.layers, StackedLayers):  # self.scan_layers
+                x = self.layers(x, wrap=wrap, cos=cos, sin=sin)
+            else:
+                apply = _apply_block if wrap is None else wrap(_apply_block)
+                for i, block in enumerate(self.layers):
+                    x = apply(block, x, cos, sin, f"layer_{i}")
+            with jax.named_scope("head"):
+                logits = self.head()(self.norm(x))
+            return logits[0] if single else logits
+
+
+def _apply_block(block, x, cos, sin, name):
+    return block(x, cos=cos, sin=sin, name=name)
+
+
+def llama_loss(
+    model: Llama, tokens: Int[Array, "batch seq_plus_one"], *, key: PRNGKeyArray | None = None
+) -> Float[Array, ""]:
+    """Mean next-token cross-entropy over a batch, inside `shard_map` over the model axis.
+
+    Predicts `tokens[:, 1:]` from `tokens[:, :-1]` in one call of the model, the logits
+    staying split over the vocabulary ([`eqxpar.nn.vocab_parallel_cross_entropy`][]).
+    Train with `loss_fn = lambda model, batch, key: llama_loss(model, batch, key=key)`.
+
+    **Arguments:**
+
+    - `model`: a [`eqxpar.models.Llama`][] (each device's blocks).
+    - `tokens`: `(batch, seq + 1)` token ids, the same on every device of the model axis.
+    - `key`: passed to the model (which has no dropout).
+
+    **Returns:**
+
+    The mean loss over this device's batch, a float32 scalar, the same on every device of
+    the model axis.
+    """
+    logits = model(tokens[..., :-1], key=key)
+    with jax.named_scope("loss"):
+        return jnp.mean(vocab_parallel_cross_entropy(logits, tokens[..., 1:], model.axis_name))
+
+
+def _config_of(model: Llama | LlamaConfig, who: str) -> LlamaConfig:
+    if isinstance(model, Llama):
+        return model.config
+    if isinstance(model, LlamaConfig):
+        return model
+    raise ValueError(f"{who}: expected an eqxpar.models.Llama or LlamaConfig, got {type(model).__name__}.")
+
+
+def llama_matmul_params(model: Llama | LlamaConfig) -> int:
+    """The Llama's parameters that multiply activations (the `N` of `6 N`).
+
+    Every block's `q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj` and
+    `down_proj`, and the output head (`vocab_size x dim`, counted with tied embeddings too:
+    the head's matmul runs either way); not the embedding lookup or the norms.
+
+    **Arguments:**
+
+    - `model`: a [`eqxpar.models.Llama`][] or just its [`eqxpar.models.LlamaConfig`][]
+      (no weights needed: e.g. `llama_config("llama-3-8b")`).
+
+    **Returns:**
+
+    The number of matmul parameters.
+    """
+    c = _config_of(model, "llama_matmul_params")
+    attention = c.dim * c.channels * (2 * c.num_heads + 2 * c.kv_heads)
+    mlp = 3 * c.dim * c.hidden_dim
+    return c.num_layers * (attention + mlp) + c.vocab_size * c.dim
+
+
+def llama_flops_per_token(model: Llama | LlamaConfig, seq_len: int | None = None, *, backward: bool = True) -> int:
+    """Model FLOPs per trained token of a Llama: `6 N + 12 L T (num_heads x head_dim)`
+    ([`eqxpar.inspect.transformer_flops_per_token`][] with the Llama's sizes; the
+    attention width is the query heads', whatever the number of key/value heads).
+
+    **Arguments:**
+
+    - `model`: a [`eqxpar.models.Llama`][] or its [`eqxpar.models.LlamaConfig`][].
+    - `seq_len`: tokens per sequence `T` (default: `max_seq_len`).
+    - `backward`: training FLOPs (forward + backward); `False` for the forward only.
+
+    **Returns:**
+
+    FLOPs per token.
+
+    **Raises:**
+
+    - `ValueError` if `seq_len` is not in `1..max_seq_len`.
+    """
+    c = _config_of(model, "llama_flops_per_token")
+    seq_len = c.max_seq_len if seq_len is None else seq_len
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or not 0 < seq_len <= c.max_seq_len:
+        raise ValueError(
+            f"llama_flops_per_token: seq_len must be an integer in 1..{c.max_seq_len} (max_seq_len), got {seq_len!r}."
+        )
+    return transformer_flops_per_token(
+        llama_matmul_params(c), c.num_layers, c.num_heads * c.channels, seq_len, backward=backward
+    )
