@@ -51,8 +51,8 @@ class Llama(TensorParallelLayer):
     **Layers.** `scan_layers=False` keeps `layers` as a tuple of blocks run in a Python
     loop (named `layer_0`, `layer_1`, ... in the HLO metadata); `scan_layers=True` stores
     them stacked, as one [`eqxpar.nn.StackedLayers`][], run with `jax.lax.scan` (one
-    compiled block whatever the depth). `remat` is the GPT's choice
-    ([`eqxpar.models.remat_wrapper`][]).
+    compiled block whatever the depth). `remat` takes the GPT's choices (see
+    [`eqxpar.models.GPT`][]).
     """
 
     embed_tokens: VocabParallelEmbedding
