@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Literal
 
@@ -11,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
-from .._promotion import at_least_float32
+from ._attention_kernels import fused_attention, reference_attention
 from ._base import TensorParallelLayer, gather_sequence, skeleton, to_varying
 from ._linear import ColumnParallelLinear, RowParallelLinear
 from ._ring_attention import LAYOUTS, Layout, all_gather_attention, ring_attention
@@ -402,40 +401,3 @@ def _local_mask(mask, batch_dims: int, first, heads: int, num_heads: int):
         f"{batch_dims} batch dimension(s): pass (q_seq, kv_seq), (*batch, q_seq, kv_seq) or "
         f"(*batch, num_heads, q_seq, kv_seq)."
     )
-
-
-def reference_attention(q, k, v, mask, dropout: eqx.nn.Dropout, keys, inference):
-    """Scaled dot-product attention as `eqx.nn.MultiheadAttention` computes it, for all local
-    heads at once: `q` `(*batch, q_seq, heads, qk)`, `k`/`v` `(*batch, kv_seq, heads, *)`,
-    `mask` broadcastable to `(*batch, heads, q_seq, kv_seq)`, `keys` one dropout key per
-    head (or `None`). Returns `(*batch, q_seq, heads, vo)`."""
-    logits = jnp.einsum("...qhd,...khd->...hqk", q / math.sqrt(q.shape[-1]), k)
-    if mask is not None:
-        logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
-    dtype = at_least_float32(logits.dtype)
-    weights = jax.nn.softmax(logits.astype(dtype), axis=-1).astype(logits.dtype)
-    head_axis = weights.ndim - 3
-    if keys is None:
-        weights = dropout(weights, key=None, inference=inference)
-    else:  # each head its own key, as the dense layer does
-        weights = jax.vmap(
-            lambda w, k: dropout(w, key=k, inference=inference), in_axes=(head_axis, 0), out_axes=head_axis
-        )(weights, keys)
-    return jnp.einsum("...hqk,...khd->...qhd", weights, v)
-
-
-def fused_attention(q, k, v, mask, *, causal: bool):
-    """`jax.nn.dot_product_attention` (cuDNN where available, XLA elsewhere) on the shapes of
-    `reference_attention`, without dropout."""
-    lead, (q_seq, heads, dim), kv_seq = q.shape[:-3], q.shape[-3:], k.shape[-3]
-    batch = math.prod(lead)
-    q4, k4, v4 = (t.reshape(batch, t.shape[-3], heads, t.shape[-1]) for t in (q, k, v))
-    if causal and q_seq != kv_seq:  # the kernel aligns its causal mask top-left; ours ends bottom-right
-        causal_mask = jnp.tril(jnp.ones((q_seq, kv_seq), bool), k=kv_seq - q_seq)
-        mask = causal_mask if mask is None else mask & causal_mask
-        causal = False
-    if mask is not None:
-        mask = jnp.broadcast_to(mask, (*lead, mask.shape[-3], q_seq, kv_seq))
-        mask = mask.reshape(batch, mask.shape[-3], q_seq, kv_seq)
-    out = jax.nn.dot_product_attention(q4, k4, v4, mask=mask, scale=1 / math.sqrt(dim), is_causal=causal)
-    return out.reshape(*lead, q_seq, heads, v.shape[-1])
