@@ -73,3 +73,33 @@ def test_profile_step_quick(capsys, tmp_path):
 def test_profile_step_rejects_an_unknown_strategy():
     with pytest.raises(SystemExit):
         _load("profile_step").main(["--quick", "--strategies", "pipeline"])
+
+
+def test_gpu_benchmark_quick_on_cpu(tmp_path, monkeypatch):
+    """benchmarks/gpu.py's one-command run, at its tiny size on whatever backend runs the
+    tests: every candidate trains (finite loss that falls), and the JSON and Markdown
+    tables come out with the XLA flags it ran with."""
+    monkeypatch.delenv("XLA_FLAGS", raising=False)  # the children: one CPU device, as on one GPU
+    result = _load("gpu").main(["--quick", "--out", str(tmp_path)])
+    rows = result["rows"]
+    assert [(r["config"], r["remat"], r["status"]) for r in rows] == [
+        ("quick", "none", "ok"),
+        ("quick", "save_matmuls", "ok"),
+    ]
+    for r in rows:
+        assert r["devices"] == 1 and r["tokens_per_s"] > 0 and r["step_ms"] > 0
+        assert 0 < r["last_loss"] < r["first_loss"] < 20
+        assert r["flops_per_token"] > 0
+        assert r["fused_attention"] is (r["platform"] == "gpu")
+    saved = json.loads((tmp_path / "gpu_bench.json").read_text())
+    assert saved["rows"] == json.loads(json.dumps(rows)) and saved["xla_flags"] and not saved["rejected_flags"]
+    table = (tmp_path / "gpu_bench.md").read_text()
+    assert "| quick | none | 4 x 32 |" in table and "latency_hiding_scheduler" in table
+
+
+def test_gpu_benchmark_drops_a_flag_this_jax_does_not_know(monkeypatch):
+    """XLA aborts at start-up on an unknown flag: the benchmark keeps the ones that start."""
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    good = "--xla_gpu_enable_latency_hiding_scheduler=true"
+    kept, rejected = _load("gpu").accepted_flags([good, "--xla_gpu_no_such_flag_here=true"], {})
+    assert kept == [good] and rejected == ["--xla_gpu_no_such_flag_here=true"]
