@@ -20,10 +20,11 @@ from ._base import TensorParallelLayer
 from ._convert import from_dense, partition_specs, to_dense
 from ._embedding import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from ._linear import ColumnParallelLinear, RowParallelLinear
+from ._matmul import MATMUL_NAME
 from ._mlp import ParallelMLP
-from ._moe import MixtureOfExperts, MoEAux
+from ._moe import MixtureOfExperts
 from ._moe_dispatch import expert_capacity
-from ._moe_router import update_router_bias
+from ._moe_router import MoEAux, update_router_bias
 from ._norm import gelu, layer_norm
 from ._parallelize import auto_plan, parallelize
 from ._plan import Plan, PlanRow
@@ -43,6 +44,7 @@ __all__ = [
     "TensorParallelLayer",
     "ColumnParallelLinear",
     "RowParallelLinear",
+    "MATMUL_NAME",
     "ParallelMLP",
     "MixtureOfExperts",
     "MoEAux",

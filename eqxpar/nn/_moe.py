@@ -23,12 +23,14 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, PRNGKeyArray
 
-from ._base import TensorParallelLayer
+from .._shard_map import varying_axes
+from ._base import TensorParallelLayer, local_block
 from ._moe_dispatch import capacity_slots, combine, dispatch, expert_capacity, ragged_experts, swiglu
 from ._moe_router import (
     SCORE_FUNCTIONS,
+    MoEAux,
     choose_experts,
     load_balance_loss,
     router_scores,
@@ -36,28 +38,9 @@ from ._moe_router import (
     tokens_per_expert,
 )
 
-__all__ = ["MixtureOfExperts", "MoEAux"]
+__all__ = ["MixtureOfExperts"]
 
 DROPLESS_IMPLS = ("ragged_dot", "dense")
-
-
-class MoEAux(eqx.Module):
-    """What a [`eqxpar.nn.MixtureOfExperts`][] call reports beside its output, one value per
-    routing group (the input's leading dimensions `*groups`; scalars for a single group).
-
-    Add the losses to the training loss with your own coefficients, e.g.
-    `loss + 1e-2 * aux.load_balance_loss.mean() + 1e-3 * aux.z_loss.mean()`.
-    """
-
-    load_balance_loss: Float[Array, "*groups"]
-    """`E * sum_e f_e * P_e` (Switch/GShard): 1 for a uniform load, up to `E` for all on one."""
-    z_loss: Float[Array, "*groups"]
-    """The router z-loss: the mean over the group's tokens of `logsumexp(logits)^2`."""
-    tokens_per_expert: Int[Array, "*groups experts"]
-    """How many of the group's `tokens * top_k` choices went to each expert, before any drop
-    (the load [`eqxpar.nn.update_router_bias`][] balances)."""
-    dropped: Int[Array, "*groups"]
-    """How many of the group's choices found their expert full and were dropped (0 dropless)."""
 
 
 def _check_options(dim, hidden_size, num_experts, top_k, score, capacity_factor, dropless_impl) -> None:
@@ -118,7 +101,11 @@ class MixtureOfExperts(TensorParallelLayer):
     to experts, outputs back) and their two transposes backward: per call and device,
     each sends `num_experts * groups * C * dim` elements
     ([`eqxpar.inspect.expert_parallel_theory`][]). The result equals the one-device
-    layer's on any mesh, since a group never spans devices.
+    layer's on any mesh, since a group never spans devices. An input that is the same on
+    every device of the axis (a train step that splits the batch over `data` only, as
+    `eqxpar.train.data_parallel_step` with the experts' specs) works too: each device
+    routes its block of the groups and an `all_gather` hands every device all outputs
+    (see `__call__`).
 
     **Auxiliary-loss-free balancing.** With `balance_bias=True` the layer holds a
     `selection_bias` (zeros, shape `(num_experts,)`), added to the scores for the choice
@@ -229,40 +216,54 @@ class MixtureOfExperts(TensorParallelLayer):
         """The slots each expert has in a group of `tokens` tokens (`tokens` when dropless)."""
         return expert_capacity(tokens, self.num_experts, self.top_k, self.capacity_factor)
 
-    def _expert_axis_size(self) -> int:
-        """The expert axis size while tracing, checked; 1 where no such axis is bound."""
+    def _expert_axis_size(self) -> int | None:
+        """The expert axis size while tracing, checked; None where no such axis is bound."""
         try:
             size = jax.lax.axis_size(self.axis_name)
         except NameError:
-            return 1
+            return None
         self.check_axis_size(size)
         return size
 
     def __call__(
-        self, x: Float[Array, "*groups tokens dim"], *, key: PRNGKeyArray | None = None
+        self,
+        x: Float[Array, "*groups tokens dim"],
+        *,
+        input_replicated: bool | None = None,
+        key: PRNGKeyArray | None = None,
     ) -> tuple[Float[Array, "*groups tokens dim"], MoEAux]:
-        """Route this device's tokens to their experts and combine the outputs.
+        """Route the tokens to their experts and combine the outputs.
 
         **Arguments:**
 
-        - `x`: this device's tokens, `(*groups, tokens, dim)`: each row of the leading
-          dimensions is one routing group (`(tokens, dim)` is one group).
+        - `x`: the tokens, `(*groups, tokens, dim)`: each row of the leading dimensions is
+          one routing group (`(tokens, dim)` is one group). Over an expert axis, either this
+          device's own groups (the batch split over the expert axis: the usual expert
+          parallelism), or the same groups on every device of the axis (e.g. inside
+          `eqxpar.train.data_parallel_step`, whose batch is split over `data` only): then
+          each device takes its block of the groups, the experts run as usual, and an
+          `all_gather` over the axis returns every group's output and aux to every device
+          (forward: that all-gather; backward: an all-reduce of the input's gradient).
+        - `input_replicated`: which of the two `x` is; default: read off `x` (JAX tracks
+          whether a value varies over the axis; under `check_vma=False` it cannot, and the
+          default is then "split": pass `True` for a replicated input).
         - `key`: ignored (the layer draws nothing); accepted so the layer can be called
           like the others.
 
         **Returns:**
 
         `(output, aux)`: the output, shaped like `x`, and a [`eqxpar.nn.MoEAux`][] with
-        one entry per group.
+        one entry per group of `x`.
 
         **Raises:**
 
-        - `ValueError`, while tracing, if `x` is not `(*groups, tokens, dim)` or the
-          experts do not split over the expert axis.
+        - `ValueError`, while tracing, if `x` is not `(*groups, tokens, dim)`, the experts
+          do not split over the expert axis, or a replicated input's groups do not.
         """
         del key
         with jax.named_scope(type(self).__name__):
-            n = self._expert_axis_size()
+            bound = self._expert_axis_size()
+            n = bound or 1
             if x.ndim < 2 or x.shape[-1] != self.dim:
                 raise ValueError(
                     f"MixtureOfExperts: x has shape {x.shape}; it must be (*groups, tokens, {self.dim}): "
@@ -270,28 +271,27 @@ class MixtureOfExperts(TensorParallelLayer):
                 )
             groups_shape, tokens = x.shape[:-2], x.shape[-2]
             xg = x.reshape(-1, tokens, self.dim)
-            w_router = self.router.weight.astype(jnp.float32)
-            logits = jnp.einsum("gtd,ed->gte", xg.astype(jnp.float32), w_router)
-            scores = jax.vmap(router_scores, in_axes=(0, None))(logits, self.score)
-            experts, weights = jax.vmap(choose_experts, in_axes=(0, None, None, None))(
-                scores, self.top_k, self.selection_bias, self.normalize_weights
-            )
-            counts = jax.vmap(tokens_per_expert, in_axes=(0, None))(experts, self.num_experts)
-            balance = jax.vmap(load_balance_loss, in_axes=(0, 0, None))(scores, counts, self.top_k)
-            z_loss = jax.vmap(router_z_loss)(logits)
-            if self.capacity_factor is None and n == 1 and self.dropless_impl == "ragged_dot":
-                flat = ragged_experts(
-                    xg.reshape(-1, self.dim),
-                    experts.reshape(-1, self.top_k),
-                    weights.reshape(-1, self.top_k),
-                    self.gate,
-                    self.up,
-                    self.down,
-                )
-                y = flat.reshape(xg.shape)
-                dropped = jnp.zeros(xg.shape[:1], jnp.int32)
-            else:
-                y, dropped = self._through_buffers(xg, experts, weights, n)
+            # A replicated input (even over an axis of size 1, where the sharded experts still
+            # make the result vary in JAX's eyes) comes back replicated, by the all_gather below.
+            if bound is None:
+                input_replicated = False
+            elif input_replicated is None:
+                input_replicated = _replicated_over(x, self.axis_name)
+            if input_replicated:
+                if xg.shape[0] % n:
+                    raise ValueError(
+                        f"MixtureOfExperts: the input is the same on every device of the expert axis "
+                        f"{self.axis_name!r}, so each of its {n} devices routes a block of the "
+                        f"{xg.shape[0]} groups, which do not split; use a multiple of {n} groups, or "
+                        f"split the batch over {self.axis_name!r} yourself."
+                    )
+                xg = local_block(xg, self.axis_name, axis=0)  # no communication
+            results = self._route_and_run(xg, n)
+            if input_replicated:
+                # all_gather: every device's block of groups, in device order, on every device
+                # (backward: each device keeps its block of the cotangent; no communication).
+                results = jax.lax.all_gather(results, self.axis_name, axis=0, tiled=True, to="invarying")
+            y, balance, z_loss, counts, dropped = results
             aux = MoEAux(
                 load_balance_loss=balance.reshape(groups_shape),
                 z_loss=z_loss.reshape(groups_shape),
@@ -299,6 +299,32 @@ class MixtureOfExperts(TensorParallelLayer):
                 dropped=dropped.reshape(groups_shape),
             )
             return y.reshape(x.shape), aux
+
+    def _route_and_run(self, xg: Array, n: int) -> tuple[Array, Array, Array, Array, Array]:
+        """(output, balance loss, z-loss, tokens per expert, dropped) of `(groups, tokens, dim)`."""
+        w_router = self.router.weight.astype(jnp.float32)
+        logits = jnp.einsum("gtd,ed->gte", xg.astype(jnp.float32), w_router)
+        scores = jax.vmap(router_scores, in_axes=(0, None))(logits, self.score)
+        experts, weights = jax.vmap(choose_experts, in_axes=(0, None, None, None))(
+            scores, self.top_k, self.selection_bias, self.normalize_weights
+        )
+        counts = jax.vmap(tokens_per_expert, in_axes=(0, None))(experts, self.num_experts)
+        balance = jax.vmap(load_balance_loss, in_axes=(0, 0, None))(scores, counts, self.top_k)
+        z_loss = jax.vmap(router_z_loss)(logits)
+        if self.capacity_factor is None and n == 1 and self.dropless_impl == "ragged_dot":
+            flat = ragged_experts(
+                xg.reshape(-1, self.dim),
+                experts.reshape(-1, self.top_k),
+                weights.reshape(-1, self.top_k),
+                self.gate,
+                self.up,
+                self.down,
+            )
+            y = flat.reshape(xg.shape)
+            dropped = jnp.zeros(xg.shape[:1], jnp.int32)
+        else:
+            y, dropped = self._through_buffers(xg, experts, weights, n)
+        return y, balance, z_loss, counts, dropped
 
     def _through_buffers(self, xg: Array, experts: Array, weights: Array, n: int) -> tuple[Array, Array]:
         """Capacity dispatch: fixed-size buffers, over the expert axis when `n > 1`."""
@@ -325,3 +351,10 @@ class MixtureOfExperts(TensorParallelLayer):
         y = jax.vmap(combine)(outputs, expert, slot, kept, weights)
         dropped = jnp.sum(jnp.logical_not(kept), axis=-1, dtype=jnp.int32)
         return y, dropped
+
+
+def _replicated_over(x: Array, axis_name: str) -> bool:
+    """Whether `x` is the same on every device of `axis_name`, as far as JAX tracks it: a
+    value that varies over no axis while JAX does track variation (the axis index varies)."""
+    tracked = axis_name in varying_axes(jax.lax.axis_index(axis_name))
+    return tracked and axis_name not in varying_axes(x)

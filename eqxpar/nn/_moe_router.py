@@ -23,13 +23,33 @@ logits): the layer `vmap`s it over its groups. Nothing here communicates.
 
 from __future__ import annotations
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-__all__ = ["update_router_bias"]
+__all__ = ["MoEAux", "update_router_bias"]
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+
+class MoEAux(eqx.Module):
+    """What a [`eqxpar.nn.MixtureOfExperts`][] call reports beside its output, one value per
+    routing group (the input's leading dimensions `*groups`; scalars for a single group).
+
+    Add the losses to the training loss with your own coefficients, e.g.
+    `loss + 1e-2 * aux.load_balance_loss.mean() + 1e-3 * aux.z_loss.mean()`.
+    """
+
+    load_balance_loss: Float[Array, "*groups"]
+    """`E * sum_e f_e * P_e` (Switch/GShard): 1 for a uniform load, up to `E` for all on one."""
+    z_loss: Float[Array, "*groups"]
+    """The router z-loss: the mean over the group's tokens of `logsumexp(logits)^2`."""
+    tokens_per_expert: Int[Array, "*groups experts"]
+    """How many of the group's `tokens * top_k` choices went to each expert, before any drop
+    (the load [`eqxpar.nn.update_router_bias`][] balances)."""
+    dropped: Int[Array, "*groups"]
+    """How many of the group's choices found their expert full and were dropped (0 dropless)."""
 
 
 def router_scores(logits: Float[Array, "tokens experts"], score: str) -> Float[Array, "tokens experts"]:
