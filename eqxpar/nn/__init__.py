@@ -20,7 +20,6 @@ from ._base import TensorParallelLayer
 from ._convert import from_dense, partition_specs, to_dense
 from ._embedding import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from ._linear import ColumnParallelLinear, RowParallelLinear
-from ._matmul import MATMUL_NAME
 from ._mlp import ParallelMLP
 from ._moe import MixtureOfExperts
 from ._moe_dispatch import expert_capacity
@@ -44,7 +43,6 @@ __all__ = [
     "TensorParallelLayer",
     "ColumnParallelLinear",
     "RowParallelLinear",
-    "MATMUL_NAME",
     "ParallelMLP",
     "MixtureOfExperts",
     "MoEAux",
