@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._promotion import with_rank
 from .._shard_map import varying_axes
 from ..nn import ColumnParallelLinear, RowParallelLinear, TensorParallelLayer
 from ._llama_config import LlamaConfig, LlamaRopeScaling
@@ -64,7 +63,9 @@ class RMSNorm(eqx.Module):
             x32 = x.astype(jnp.float32)
             mean_square = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
             normed = (x32 * jax.lax.rsqrt(mean_square + jnp.float32(self.eps))).astype(x.dtype)
-            return normed * with_rank(self.weight.astype(x.dtype), x.ndim)
+            # An explicit reshape, not a broadcast: inside shard_map the replicated weight's
+            # varying-axes cast then applies at its own size (as eqxpar's layer norms do).
+            return normed * self.weight.astype(x.dtype).reshape((1,) * (x.ndim - 1) + self.weight.shape)
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: LlamaRopeScaling | None = None) -> np.ndarray:
