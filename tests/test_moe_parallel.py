@@ -214,3 +214,36 @@ def test_one_expert_device_sends_nothing():
     report, theory = _report((("data", 2), ("expert", 1)), 1.25, True)
     assert report.count("all-to-all", stage="lowered") == report.count("all-to-all") == 0
     assert theory.bytes() == 0
+
+
+def test_replicated_input_without_vma_tracking():
+    """Under check_vma=False JAX cannot tell a replicated input from a split one:
+    `input_replicated=True` says it. Each device routes its block of the groups; the
+    outputs and aux come back whole on every device, and the gradients (the router's
+    summed by hand, as a step without tracking must) equal one device's."""
+    mesh = eqxpar.make_mesh(data=2, expert=4)
+    rng = np.random.default_rng(5)
+    layer = random_moe(rng, DIM, HIDDEN, 8, 2, capacity_factor=0.5)
+    x = rng.normal(size=(8, TOKENS, DIM)).astype(np.float32)
+
+    def loss(layer, x, replicated):
+        y, aux = layer(x, input_replicated=replicated)
+        return jnp.sum(y**2) + jnp.sum(aux.load_balance_loss), (y, aux)
+
+    def per_device(layer, x):
+        (_, (y, aux)), grads = eqx.filter_value_and_grad(loss, has_aux=True)(layer, x, True)
+        router = jax.lax.psum(grads.router.weight, ("data", "expert"))
+        experts = jax.lax.psum((grads.gate, grads.up, grads.down), "data")
+        return y, aux, eqx.tree_at(lambda g: (g.router.weight, g.gate, g.up, g.down), grads, (router, *experts))
+
+    specs = nn.partition_specs(layer, mesh)
+    mapped = eqxpar.filter_shard_map(
+        per_device, mesh=mesh, in_specs=(specs, P("data")), out_specs=(P("data"), P("data"), specs), check_vma=False
+    )
+    y, aux, grads = eqx.filter_jit(mapped)(eqxpar.shard(layer, mesh, specs), eqxpar.shard(x, mesh, P("data")))
+    (_, (want_y, want_aux)), want_grads = on_one_device(
+        lambda layer, x: eqx.filter_value_and_grad(loss, has_aux=True)(layer, x, None), layer, x
+    )
+    assert_trees_close((y, aux), (want_y, want_aux), what="output and aux")
+    assert int(np.sum(want_aux.dropped)) > 0
+    assert_trees_close(eqx.filter(grads, eqx.is_array), eqx.filter(want_grads, eqx.is_array), what="gradients")
