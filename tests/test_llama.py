@@ -185,6 +185,28 @@ def test_single_sequence_equals_its_row_of_a_batch():
     np.testing.assert_allclose(np.asarray(single), np.asarray(batched[1]), rtol=1e-5, atol=1e-6)
 
 
+def test_rms_norm_statistics_in_float32_for_bfloat16_input():
+    norm = eqxpar.models.RMSNorm(32)
+    norm = eqx.tree_at(lambda n: n.weight, norm, 1 + 0.3 * jax.random.normal(jax.random.key(0), (32,)))
+    # Large values: their squares' mean loses digits in bfloat16 (8 bits of mantissa).
+    x = (300 + 10 * jax.random.normal(jax.random.key(1), (4, 32))).astype(jnp.bfloat16)
+    got = norm(x)
+    assert got.dtype == jnp.bfloat16
+    x32 = x.astype(jnp.float32)
+    want = (x32 / jnp.sqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-5)).astype(jnp.bfloat16)
+    want = want * norm.weight.astype(jnp.bfloat16)[None]
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_scanned_and_unscanned_layers_are_the_same_model():
+    tokens = token_batch(6, 2)[:, :-1]
+    looped, scanned = tiny_llama(7, 2), tiny_llama(7, 2, scan=True)
+    assert_trees_close(scanned.layers.unstack(), looped.layers, what="the same key's layers")
+    np.testing.assert_allclose(
+        np.asarray(one_device_logits(scanned, tokens)), np.asarray(one_device_logits(looped, tokens)), rtol=1e-6
+    )
+
+
 # --- Parallel train steps equal one device -----------------------------------------------
 
 
