@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
@@ -23,7 +24,7 @@ from test_moe import random_moe
 import eqxpar
 from eqxpar import nn
 from eqxpar.inspect import communication_report, expert_parallel_theory
-from eqxpar.testing import assert_trees_close, mesh_sizes, on_one_device
+from eqxpar.testing import F32_ATOL, assert_trees_close, mesh_sizes, on_one_device
 
 DIM, HIDDEN, TOKENS = 4, 8, 6
 # `expert` 1, 2, 4, 8 alone and with `data` 2 (where 8 devices allow).
@@ -114,22 +115,47 @@ def expert_parallel(layer, mesh):
 def test_expert_parallel_equals_one_device(
     sizes, experts_per_device, groups_per_device, top_k, capacity_factor, score, seed
 ):
-    mesh = eqxpar.make_mesh(**sizes)
     experts = sizes["expert"] * experts_per_device
     groups = sizes["data"] * sizes["expert"] * groups_per_device
+    check_parity(sizes, experts, groups, min(top_k, experts), capacity_factor, score, seed)
+
+
+@pytest.mark.thorough
+@pytest.mark.parametrize(
+    "sizes, experts, top_k, capacity_factor",
+    [
+        ({"data": 2, "expert": 4}, 16, 4, 0.75),
+        ({"data": 1, "expert": 8}, 16, 3, None),
+        ({"data": 2, "expert": 2}, 8, 2, 1.0),
+    ],
+)
+def test_expert_parallel_equals_one_device_at_larger_sizes(sizes, experts, top_k, capacity_factor):
+    """Each router-gradient entry sums up to 576 tokens' terms, which cancel to far less than
+    their size: float32 roundoff then reaches a few 1e-6 absolute (measured 3.7e-6 on an entry
+    of 0.14, where one device's ragged_dot and dense paths differ by 1e-6 from each other),
+    so the absolute tolerance is 1e-5 here."""
+    groups = 3 * sizes["data"] * sizes["expert"]
+    check_parity(sizes, experts, groups, top_k, capacity_factor, "softmax", 4, tokens=24, dim=16, hidden=32, atol=1e-5)
+
+
+def check_parity(
+    sizes, experts, groups, top_k, capacity_factor, score, seed, *, tokens=TOKENS, dim=DIM, hidden=HIDDEN, atol=F32_ATOL
+):
+    """Outputs, aux (counts exactly), gradients and parameters after two steps: parallel == one device."""
+    mesh = eqxpar.make_mesh(**sizes)
     rng = np.random.default_rng(seed)
     layer = random_moe(
         rng,
-        DIM,
-        HIDDEN,
+        dim,
+        hidden,
         experts,
-        min(top_k, experts),
+        top_k,
         bias=seed % 2 == 0,
         score=score,
         normalize_weights=seed % 3 == 0,
         capacity_factor=capacity_factor,
     )
-    x = rng.normal(size=(groups, TOKENS, DIM)).astype(np.float32)
+    x = rng.normal(size=(groups, tokens, dim)).astype(np.float32)
     cotangent = rng.normal(size=x.shape).astype(np.float32)
     balance_weight, z_weight = rng.normal(size=(2, groups)).astype(np.float32)
     inputs = (x, cotangent, balance_weight, z_weight)
@@ -140,16 +166,15 @@ def test_expert_parallel_equals_one_device(
     (want_y, want_aux, want_grads, want_x_grads), want_trained = on_one_device(
         functools.partial(train, losses_and_grads), layer, *inputs
     )
-    what = f" ({sizes}, {experts} experts, top-{min(top_k, experts)}, capacity_factor={capacity_factor})"
-    assert_trees_close(y, want_y, what="output" + what)
+    what = f" ({sizes}, {experts} experts, top-{top_k}, capacity_factor={capacity_factor})"
+    assert_trees_close(y, want_y, what="output" + what, atol=atol)
     # Integers exactly: the same tokens routed to each expert, the same choices dropped.
-    assert_trees_close(aux, want_aux, what="aux" + what)
-    assert_trees_close(eqx.filter(grads, eqx.is_array), eqx.filter(want_grads, eqx.is_array), what="grads" + what)
-    assert_trees_close(x_grads, want_x_grads, what="input gradients" + what)
-    assert_trees_close(
-        eqx.filter(trained, eqx.is_array), eqx.filter(want_trained, eqx.is_array), what="after 2 steps" + what
-    )
-    if capacity_factor == 0.5 and min(top_k, experts) == 2:
+    assert_trees_close(aux, want_aux, what="aux" + what, atol=atol)
+    arrays = functools.partial(eqx.filter, filter_spec=eqx.is_array)
+    assert_trees_close(arrays(grads), arrays(want_grads), what="grads" + what, atol=atol)
+    assert_trees_close(x_grads, want_x_grads, what="input gradients" + what, atol=atol)
+    assert_trees_close(arrays(trained), arrays(want_trained), what="after 2 steps" + what, atol=atol)
+    if capacity_factor is not None and capacity_factor < 1 and top_k > 1:
         assert int(np.sum(want_aux.dropped)) > 0  # the drop path was taken
 
 
