@@ -27,6 +27,7 @@ from ._gpt import GPT, next_token_loss, stack_blocks, unstack_blocks
 from ._llama import Llama, llama_flops_per_token, llama_loss, llama_matmul_params
 from ._llama_config import LLAMA_CONFIGS, LlamaConfig, LlamaRopeScaling, llama_config
 from ._llama_layers import LlamaAttention, LlamaBlock, LlamaMLP, RMSNorm, apply_rotary, rope_frequencies
+from ._llama_theory import llama_tensor_parallel_theory
 from ._memory import gpt_activation_theory
 from ._stages import gpt_stages
 
@@ -63,4 +64,5 @@ __all__ = [
     "RMSNorm",
     "rope_frequencies",
     "apply_rotary",
+    "llama_tensor_parallel_theory",
 ]
