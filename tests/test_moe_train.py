@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _budget import examples
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -64,6 +65,7 @@ def token_batch(size, seed):
     return tokens, np.roll(tokens, -1, axis=1)
 
 
+@examples(2)  # and the two pinned below: each example compiles a parallel and a one-device step
 @given(
     sizes=meshes,
     experts_per_device=st.sampled_from([1, 2]),
