@@ -304,10 +304,11 @@ def check_parity(strategy, sizes, num_kv_heads, scan, tie, seed):
 
 
 KV_HEADS = st.sampled_from([1, 2, NUM_HEADS])
+PARALLEL = (2, 4, 8)  # device counts: a one-device mesh is the reference itself
 
 
 @given(
-    sizes=mesh_sizes(("data", "model")),
+    sizes=mesh_sizes(("data", "model"), PARALLEL),
     num_kv_heads=KV_HEADS,
     scan=st.booleans(),
     tie=st.booleans(),
@@ -324,7 +325,7 @@ def test_hybrid_llama_matches_one_device(sizes, num_kv_heads, scan, tie, seed):
 
 
 @given(
-    sizes=mesh_sizes(("fsdp", "model")),
+    sizes=mesh_sizes(("fsdp", "model"), PARALLEL),
     num_kv_heads=KV_HEADS,
     scan=st.booleans(),
     tie=st.booleans(),
@@ -332,6 +333,8 @@ def test_hybrid_llama_matches_one_device(sizes, num_kv_heads, scan, tie, seed):
 )
 # FSDP x TP with the layers scanned (one stack gathered at a time) and tied embeddings.
 @example(sizes={"fsdp": 2, "model": 2}, num_kv_heads=2, scan=True, tie=True, seed=3)
+# FSDP x TP over 8 devices, as many key/value heads as query heads (two of each per device).
+@example(sizes={"fsdp": 2, "model": 4}, num_kv_heads=NUM_HEADS, scan=False, tie=False, seed=5)
 # Pure FSDP (model=1): multi-query attention.
 @example(sizes={"fsdp": 4, "model": 1}, num_kv_heads=1, scan=False, tie=False, seed=4)
 def test_fsdp_llama_matches_one_device(sizes, num_kv_heads, scan, tie, seed):
@@ -360,7 +363,12 @@ def test_tensor_parallel_all_reduces_are_the_designed_ones():
 
 
 @pytest.mark.thorough
-@given(sizes=mesh_sizes(("data", "model")), num_kv_heads=KV_HEADS, scan=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    sizes=mesh_sizes(("data", "model"), PARALLEL),
+    num_kv_heads=KV_HEADS,
+    scan=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_hybrid_llama_remat_matches_one_device(sizes, num_kv_heads, scan, seed):
     """Heavy variant: recomputing each block (remat='block') changes nothing."""
     if num_kv_heads % sizes["model"]:
