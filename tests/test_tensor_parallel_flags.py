@@ -14,9 +14,11 @@
 import logging
 import re
 import time
+import types
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -32,7 +34,7 @@ from eqxpar.models import (
     gpt_flops_per_token,
     next_token_loss,
 )
-from eqxpar.models._block import REMAT_CHOICES, remat_wrapper
+from eqxpar.models._block import REMAT_CHOICES, remat_policy, remat_wrapper
 from eqxpar.recipe import Throughput
 from eqxpar.testing import assert_trees_close
 from eqxpar.train import hybrid_step, shard_batch
@@ -158,30 +160,55 @@ def test_offload_is_refused_before_compile_where_the_backend_cannot(caplog, caps
     assert stop.value.code == 2 and err.count("\n") == 1 and "--remat offload" in err and platform in err, err
 
 
+@jax.custom_vjp
+def _product_by_custom_rule(x, weight):
+    return jnp.einsum("...i,oi->...o", x, weight)
+
+
+_product_by_custom_rule.defvjp(
+    lambda x, w: (_product_by_custom_rule(x, w), (x, w)),
+    lambda saved, dy: (jnp.einsum("...o,oi->...i", dy, saved[1]), jnp.einsum("...o,...i->oi", dy, saved[0])),
+)
+
+
+@pytest.mark.parametrize("custom_rule", [False, True])
 @pytest.mark.parametrize("n", [1, 4])
-def test_the_offload_policy_finds_the_linear_layers_outputs(n):
+def test_the_offload_policy_finds_the_linear_layers_outputs(n, custom_rule, monkeypatch):
     """What remat="offload" moves to the host, read from the traced program (tracing works
     on any backend; only the compiled moves need a GPU or TPU): per block the query, key and
     value projections (column-parallel: dim/n features each), the attention's output
     projection before its all-reduce (dim) and the MLP's hidden layer (mlp_ratio x dim/n).
-    The policy offloads matmuls without batch dimensions: a layer that computed with
-    batched matmuls (a vmap over examples, say) would offload nothing."""
+    The policy offloads by name (`eqxpar.nn.MATMUL_NAME`); the test also computes every
+    linear layer's product through a custom rule (as a fused kernel or a hand-written
+    weight gradient would): the named policy still finds them, while a policy that picks
+    `dot_general`s by shape (JAX's `offload_dot_with_no_batch_dims`, which remat="offload"
+    used before) then silently offloads nothing."""
     dim, mlp_ratio, batch = 16, 2, (3, CONTEXT)
     block = TransformerBlock(dim, 4, mlp_ratio, key=jax.random.key(0))
     mesh = eqxpar.make_mesh(model=n)
     specs = eqxpar.nn.partition_specs(block, mesh)
-    # The policy remat_wrapper("offload") uses.
-    policy = jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+    if custom_rule:  # the linear layers' einsum (their only use of jnp) through a custom_vjp
+        einsum = types.SimpleNamespace(einsum=lambda _, x, w: _product_by_custom_rule(x, w))
+        monkeypatch.setattr(eqxpar.nn._linear, "jnp", einsum)
+    # The policy remat_wrapper("offload") uses, and the shape-based one it replaced.
+    by_name = remat_policy("offload")
+    by_shape = jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
 
-    def grads(block, x):
-        run = eqx.filter_checkpoint(lambda block, x: block(x), policy=policy)
-        return eqx.filter_grad(lambda block: run(block, x).sum())(block)
+    def moved(policy):
+        def grads(block, x):
+            run = eqx.filter_checkpoint(lambda block, x: block(x), policy=policy)
+            return eqx.filter_grad(lambda block: run(block, x).sum())(block)
 
-    params, static = eqx.partition(block, eqx.is_array)
-    fn = eqxpar.filter_shard_map(grads, mesh=mesh, in_specs=(specs, P()), out_specs=specs)
-    jaxpr = str(jax.make_jaxpr(lambda p, x: fn(eqx.combine(p, static), x))(params, np.ones((*batch, dim), np.float32)))
-    moved = sorted(tuple(map(int, s.split(","))) for s in re.findall(r"f32<host>\[([\d,]+)\]\S* = device_put", jaxpr))
-    assert moved == sorted([(*batch, dim // n)] * 3 + [(*batch, dim), (*batch, mlp_ratio * dim // n)])
+        params, static = eqx.partition(block, eqx.is_array)
+        fn = eqxpar.filter_shard_map(grads, mesh=mesh, in_specs=(specs, P()), out_specs=specs)
+        x = np.ones((*batch, dim), np.float32)
+        jaxpr = str(jax.make_jaxpr(lambda p, x: fn(eqx.combine(p, static), x))(params, x))
+        found = re.findall(r"f32<host>\[([\d,]+)\]\S* = device_put", jaxpr)
+        return sorted(tuple(map(int, s.split(","))) for s in found)
+
+    expected = sorted([(*batch, dim // n)] * 3 + [(*batch, dim), (*batch, mlp_ratio * dim // n)])
+    assert moved(by_name) == expected
+    assert moved(by_shape) == ([] if custom_rule else expected)
 
 
 @pytest.mark.skipif(not OFFLOAD_BACKEND, reason="JAX's CPU backend does not offload to host memory")

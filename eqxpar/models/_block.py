@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ..nn import ParallelMLP, ParallelMultiheadAttention, gelu, layer_norm
+from ..nn import MATMUL_NAME, ParallelMLP, ParallelMultiheadAttention, gelu, layer_norm
 
 __all__ = ["TransformerBlock", "remat_wrapper", "sequence_dropout", "split_keys", "REMAT_CHOICES"]
 
@@ -74,18 +74,21 @@ def remat_wrapper(remat: Remat) -> Callable[[Callable], Callable] | None:
     - `"none"`: keep every activation (fastest, most memory);
     - `"block"`: keep only each block's input and recompute the rest
       (`jax.checkpoint_policies.nothing_saveable`; the block's forward collectives run again);
-    - `"save_matmuls"`: keep the linear layers' matmul outputs (matmuls without batch
-      dimensions: q, k, v, the output projection, the MLP's layers), recompute the
-      elementwise work and attention, whose scores grow with the square of the sequence
-      (Megatron's selective recomputation;
-      `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`);
-    - `"offload"`: keep the same matmul outputs (those of the linear layers: matmuls
-      without batch dimensions), but in host memory: moved to `"pinned_host"` in the
-      forward pass and back in the backward pass
-      (`jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")`),
-      which frees device memory for the price of the transfers. Only on backends that
-      move arrays between memories inside a program: GPUs and TPUs. (JAX's CPU backend
-      lists a `"pinned_host"` memory, but compiles the moves away.)
+    - `"save_matmuls"`: keep the linear layers' matmul outputs (q, k, v, the output
+      projection, the MLP's layers: every product named `eqxpar.nn.MATMUL_NAME`),
+      recompute the elementwise work and attention, whose scores grow with the square of
+      the sequence (Megatron's selective recomputation;
+      `jax.checkpoint_policies.save_only_these_names(MATMUL_NAME)`);
+    - `"offload"`: keep the same matmul outputs, but in host memory: moved to
+      `"pinned_host"` in the forward pass and back in the backward pass
+      (`jax.checkpoint_policies.save_and_offload_only_these_names`), which frees device
+      memory for the price of the transfers. Only on backends that move arrays between
+      memories inside a program: GPUs and TPUs. (JAX's CPU backend lists a
+      `"pinned_host"` memory, but compiles the moves away.)
+
+    The policies pick the products by name, not by shape, so a custom gradient rule or a
+    fused kernel for the linear layers (which a policy looking for `dot_general`s would no
+    longer see) keeps them saved.
 
     **Raises:**
 
@@ -105,15 +108,26 @@ def remat_wrapper(remat: Remat) -> Callable[[Callable], Callable] | None:
                 f"which does not move arrays to the host inside a program. Use one of {others} "
                 f"('save_matmuls' keeps the same activations on the device)."
             )
-        policy = jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
-    elif remat in ("block", "save_matmuls"):
-        policy = {
-            "block": jax.checkpoint_policies.nothing_saveable,
-            "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        }[remat]
-    else:
+    elif remat not in REMAT_CHOICES:
         raise ValueError(f"remat must be one of {', '.join(map(repr, REMAT_CHOICES))}, got {remat!r}.")
-    return functools.partial(eqx.filter_checkpoint, policy=policy)
+    return functools.partial(eqx.filter_checkpoint, policy=remat_policy(remat))
+
+
+def remat_policy(remat: Remat) -> Callable:
+    """The `jax.checkpoint` policy of a `remat` choice other than `"none"` (see
+    `remat_wrapper`; this one does not check the backend)."""
+    if remat == "block":
+        return jax.checkpoint_policies.nothing_saveable
+    if remat == "save_matmuls":
+        return jax.checkpoint_policies.save_only_these_names(MATMUL_NAME)
+    if remat == "offload":
+        return jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=[MATMUL_NAME],
+            offload_src="device",
+            offload_dst="pinned_host",
+        )
+    raise ValueError(f"remat_policy: no policy for remat={remat!r}; choose one of {REMAT_CHOICES[1:]}.")
 
 
 class TransformerBlock(eqx.Module):

@@ -19,7 +19,7 @@ from ._attention import ParallelMultiheadAttention
 from ._base import TensorParallelLayer
 from ._convert import from_dense, partition_specs, to_dense
 from ._embedding import VocabParallelEmbedding, vocab_parallel_cross_entropy
-from ._linear import ColumnParallelLinear, RowParallelLinear
+from ._linear import MATMUL_NAME, ColumnParallelLinear, RowParallelLinear
 from ._mlp import ParallelMLP
 from ._moe import MixtureOfExperts
 from ._moe_dispatch import expert_capacity
@@ -43,6 +43,7 @@ __all__ = [
     "TensorParallelLayer",
     "ColumnParallelLinear",
     "RowParallelLinear",
+    "MATMUL_NAME",
     "ParallelMLP",
     "MixtureOfExperts",
     "MoEAux",

@@ -15,13 +15,22 @@ from __future__ import annotations
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._promotion import with_rank
 from ._base import TensorParallelLayer, gather_sequence, local_block, scatter_sequence, skeleton, to_varying
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "MATMUL_NAME"]
+
+MATMUL_NAME = "eqxpar.matmul"
+"""The `jax.ad_checkpoint.checkpoint_name` of every eqxpar linear layer's matmul output
+(before the bias and any all-reduce): a remat policy keeps exactly these products with
+`jax.checkpoint_policies.save_only_these_names(MATMUL_NAME)` (what the GPT's
+`remat="save_matmuls"` does; `"offload"` moves the same ones to host memory). Policies that
+pick dots by their shape (`dots_with_no_batch_dims_saveable`) stop seeing a product once it
+is computed by a custom rule or a fused kernel; a name stays."""
 
 
 def _check_vector_linear(linear: eqx.nn.Linear, cls_name: str) -> None:
@@ -300,11 +309,13 @@ class RowParallelLinear(TensorParallelLayer):
 
 
 def linear(x: Array, weight: Array, bias: Array | None) -> Array:
-    """`x @ weight.T + bias` over any leading dimensions of `x` (one contraction, no vmap)."""
+    """`x @ weight.T + bias` over any leading dimensions of `x` (one contraction, no vmap),
+    the product named [`MATMUL_NAME`][eqxpar.nn.MATMUL_NAME] for remat policies."""
     if x.ndim == 1:
         y = weight @ x  # one example: exactly eqx.nn.Linear's product
     else:
         y = jnp.einsum("...i,oi->...o", x, weight)
+    y = checkpoint_name(y, MATMUL_NAME)
     return y if bias is None else y + with_rank(bias, y.ndim)
 
 
