@@ -125,10 +125,11 @@ def main(argv=None) -> dict:
     def accuracy(model) -> float:  # on the held-out digits: every --eval-every steps, and at the end
         return float(np.mean(np.asarray(predict(model, data.x_test)) == data.y_test))
 
+    # The loop waits for the device only every --log-every steps (run_log fetches those steps'
+    # losses in one go), at evaluations, checkpoints and the end.
     start = time.perf_counter()
-    metrics = None
-    bar = eqxpar.recipe.progress(eqxpar.recipe.steps_to_run(first_step, cfg.steps), desc=f"data parallel ({cfg.mesh})")
-    for i in bar:
+    steps = eqxpar.recipe.steps_to_run(first_step, cfg.steps)  # none left: says so
+    for i in run_log.progress(steps, desc=f"data parallel ({cfg.mesh})"):
         # Global batch i: a pure function of (seed, i), so a run resumed at step i sees the
         # same batches as one that never stopped.
         rows = eqxpar.data.global_batch_records(num_train, cfg.batch_size, i, seed=cfg.seed)
@@ -137,14 +138,12 @@ def main(argv=None) -> dict:
         model, opt_state, metrics = step(model, opt_state, batch)
         run_log.step(i, metrics)
         run_log.maybe_eval(i, test_accuracy=functools.partial(accuracy, model))
-        if i % 20 == 0 or i == cfg.steps - 1:
-            bar.set_postfix(loss=f"{float(metrics['loss']):.4f}", refresh=False)
         ckpt.maybe_save(i + 1, (model, opt_state), force=i + 1 == cfg.steps)
     ckpt.close()
     run_log.close()
     seconds = time.perf_counter() - start
 
-    final_loss = float(metrics["loss"]) if metrics is not None else None  # None (null): no step run
+    final_loss = run_log.losses[-1] if run_log.losses else None  # None (null): no step run
     test_accuracy = accuracy(model)
     result = {
         "final_loss": final_loss,

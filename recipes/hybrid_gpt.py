@@ -142,30 +142,29 @@ def main(argv=None) -> dict:
     # split, and the loss history. Batches and keys depend on (seed, step) only, so a
     # resumed run continues exactly as the interrupted one would have. ---
     (model, opt_state, train_key), first_step, history = ckpt.restore((model, opt_state, train_key))
-    losses = history["losses"] if history else []
 
     # The held-out loss: every --eval-every steps, and at the end.
     evaluate = eqxpar.recipe.held_out_loss(lambda model, tokens: next_token_loss(model, tokens), mesh, specs)
     val_tokens = text_windows(val_ids, 64, cfg.context, seed=1234, step=0)
 
     # --- Training loop. --log-dir: metrics every --log-every steps, TensorBoard, config.json. ---
+    # The loop never waits for the device but every --log-every steps, where run_log fetches
+    # those steps' losses in one go (and at evaluations, checkpoints and the end).
     run_log = eqxpar.recipe.RunLog.from_config(
-        cfg, items_per_step=cfg.batch_size * cfg.context, flops_per_item=flops_per_token, n_devices=mesh.size
+        cfg,
+        items_per_step=cfg.batch_size * cfg.context,
+        flops_per_item=flops_per_token,
+        n_devices=mesh.size,
+        losses=history["losses"] if history else [],
     )
-    throughput = eqxpar.recipe.Throughput(cfg.batch_size * cfg.context)  # tokens per second
-    bar = eqxpar.recipe.progress(eqxpar.recipe.steps_to_run(first_step, cfg.steps), desc=f"hybrid {cfg.mesh}")
-    for i in bar:
+    for i in run_log.progress(eqxpar.recipe.steps_to_run(first_step, cfg.steps), desc=f"hybrid {cfg.mesh}"):
         model, opt_state, metrics = step(model, opt_state, batch(i), jax.random.fold_in(train_key, i))
-        losses.append(float(metrics["loss"]))  # waits for the step: honest timing
-        throughput.tick()
         run_log.step(i, metrics)
         run_log.maybe_eval(i, val_loss=functools.partial(evaluate, model, val_tokens))
-        if i % 10 == 0 or i == cfg.steps - 1:
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{throughput.per_second:,.0f}")
-        ckpt.maybe_save(i + 1, (model, opt_state, train_key), data_state={"losses": losses}, force=i + 1 == cfg.steps)
+        ckpt.maybe_save(i + 1, (model, opt_state, train_key), data_state=run_log.data_state, force=i + 1 == cfg.steps)
     ckpt.close()
     run_log.close()
-    tokens_per_second = throughput.per_second
+    losses, tokens_per_second = run_log.losses, run_log.per_second  # every step's loss; tokens/s
 
     # --- Final check: held-out loss, and a sample from the trained model. ---
     val_loss = float(evaluate(model, val_tokens))

@@ -198,7 +198,6 @@ def main(argv=None) -> dict:
     # split, and the loss history. Batches depend on (seed, step) only, so a resumed run
     # continues exactly as the interrupted one would have. ---
     (model, opt_state), first_step, history = ckpt.restore((model, opt_state))
-    losses = history["losses"] if history else []
 
     # The held-out loss, every --eval-every steps and at the end: held-out windows laid out
     # as the training batches are, the devices' losses averaged over `data` and `context`.
@@ -208,23 +207,24 @@ def main(argv=None) -> dict:
     val_batch = batch(0, ids=val_ids, seed=1234)
 
     # --- Training loop. --log-dir: metrics every --log-every steps, TensorBoard, config.json. ---
+    # The loop waits for the device only every --log-every steps (run_log fetches those steps'
+    # losses in one go), at evaluations, checkpoints and the end.
     run_log = eqxpar.recipe.RunLog.from_config(
         cfg,
         items_per_step=cfg.batch_size * cfg.seq_len,
         flops_per_item=eqxpar.models.gpt_flops_per_token(model),
         n_devices=mesh.size,
+        losses=history["losses"] if history else [],
     )
     steps = eqxpar.recipe.steps_to_run(first_step, cfg.steps)  # none left: says so
-    bar = eqxpar.recipe.progress(steps, desc=f"long context {cfg.mesh} {cfg.attention}")
-    for i in bar:
+    for i in run_log.progress(steps, desc=f"long context {cfg.mesh} {cfg.attention}"):
         model, opt_state, metrics = step(model, opt_state, batch(i))
-        losses.append(float(metrics["loss"]))
         run_log.step(i, metrics)
         run_log.maybe_eval(i, val_loss=functools.partial(evaluate, model, val_batch))
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
-        ckpt.maybe_save(i + 1, (model, opt_state), data_state={"losses": losses}, force=i + 1 == cfg.steps)
+        ckpt.maybe_save(i + 1, (model, opt_state), data_state=run_log.data_state, force=i + 1 == cfg.steps)
     ckpt.close()
     run_log.close()
+    losses = run_log.losses  # every step's loss
     val_loss = float(evaluate(model, val_batch))
 
     metrics = {

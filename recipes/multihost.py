@@ -135,16 +135,14 @@ def main(argv=None) -> dict:
     # --log-dir (process 0 writes): metrics every --log-every steps, TensorBoard, config.json.
     run_log = eqxpar.recipe.RunLog.from_config(cfg, items_per_step=cfg.batch_size, items="examples")
     x_test, y_test = eqxpar.shard((data.x_test, data.y_test), mesh)  # held out: every process calls accuracy
+    # The loop waits for the device only every --log-every steps (run_log fetches those steps'
+    # losses in one go), at evaluations, checkpoints and the end.
     start = time.perf_counter()
-    metrics = None
     steps = eqxpar.recipe.steps_to_run(first_step, cfg.steps)  # none left: says so
-    bar = eqxpar.recipe.progress(steps, desc=f"multihost ({info.num_processes} process(es))")
-    for i in bar:
+    for i in run_log.progress(steps, desc=f"multihost ({info.num_processes} process(es))"):
         model, opt_state, metrics = step(model, opt_state, load(i))
         run_log.step(i, metrics)
         run_log.maybe_eval(i, test_accuracy=functools.partial(accuracy, model, x_test, y_test))
-        if i % 20 == 0 or i == cfg.steps - 1:
-            bar.set_postfix(loss=f"{float(metrics['loss']):.4f}", refresh=False)
         ckpt.maybe_save(i + 1, (model, opt_state), force=i + 1 == cfg.steps)
     ckpt.close()
     run_log.close()
@@ -152,7 +150,7 @@ def main(argv=None) -> dict:
 
     # The loss and the model are replicated on every device of every process, so every
     # process can read them; only process 0 prints and writes.
-    final_loss = float(metrics["loss"]) if metrics is not None else None  # None (null): no step run
+    final_loss = run_log.losses[-1] if run_log.losses else None  # None (null): no step run
     test_accuracy = float(accuracy(model, x_test, y_test))
     result = {
         "final_loss": final_loss,

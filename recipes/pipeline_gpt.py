@@ -172,18 +172,10 @@ def main(argv=None) -> dict:
             f"the compiled step's collective-permutes: {permute_compiled:,}"
         )
 
-    # --log-dir: metrics every --log-every steps, TensorBoard events, config.json.
-    run_log = eqxpar.recipe.RunLog.from_config(
-        cfg,
-        items_per_step=cfg.batch_size * cfg.context,
-        flops_per_item=eqxpar.models.gpt_flops_per_token(model),
-        n_devices=mesh.size,
-    )
     # --- Checkpoints (--checkpoint-dir, --checkpoint-every, --resume): the model and optimizer
     # state as the loop carries them (stacked layers split over `stage`), and the loss history.
     # Batches depend on (seed, step) only: a resumed run continues as the interrupted one. ---
     (model, opt_state), first_step, history = ckpt.restore((model, opt_state))
-    losses = history["losses"] if history else []
 
     # The held-out loss, every --eval-every steps and at the end: the stacked layers gathered
     # from their stages, the GPT run whole (tensor-parallel over any `model` axis).
@@ -192,14 +184,24 @@ def main(argv=None) -> dict:
     )
     val_tokens = text_windows(val_ids, 64, cfg.context, seed=1234, step=0)
     steps = eqxpar.recipe.steps_to_run(first_step, cfg.steps)  # none left: says so
-    for i in eqxpar.recipe.progress(steps, desc=f"pipeline {cfg.schedule}"):
+    # --log-dir: metrics every --log-every steps, TensorBoard events, config.json. The loop
+    # waits for the device only every --log-every steps (run_log fetches those steps' losses
+    # in one go), at evaluations, checkpoints and the end.
+    run_log = eqxpar.recipe.RunLog.from_config(
+        cfg,
+        items_per_step=cfg.batch_size * cfg.context,
+        flops_per_item=eqxpar.models.gpt_flops_per_token(model),
+        n_devices=mesh.size,
+        losses=history["losses"] if history else [],
+    )
+    for i in run_log.progress(steps, desc=f"pipeline {cfg.schedule}"):
         model, opt_state, metrics = step(model, opt_state, batch(i))
-        losses.append(float(metrics["loss"]))
         run_log.step(i, metrics)
         run_log.maybe_eval(i, val_loss=functools.partial(evaluate, model, val_tokens))
-        ckpt.maybe_save(i + 1, (model, opt_state), data_state={"losses": losses}, force=i + 1 == cfg.steps)
+        ckpt.maybe_save(i + 1, (model, opt_state), data_state=run_log.data_state, force=i + 1 == cfg.steps)
     ckpt.close()
     run_log.close()
+    losses = run_log.losses
     val_loss = float(evaluate(model, val_tokens))
     metrics = {
         "mesh": cfg.mesh,

@@ -149,7 +149,6 @@ def main(argv=None) -> dict:
     # Checkpoints (--checkpoint-dir, --checkpoint-every, --resume): the model (split as it
     # is), the optimizer state and the key; the loss history rides along as JSON.
     (model, opt_state, train_key), first_step, history = ckpt.restore((model, opt_state, train_key))
-    losses = history["losses"] if history else []
 
     # Compile the step once, ahead of time, and read what it communicates from the program.
     example = np.zeros((cfg.batch_size, cfg.context + 1), np.int32)
@@ -164,25 +163,27 @@ def main(argv=None) -> dict:
 
     # --- Training loop. Batch and dropout key of each step depend on (seed, step) only. ---
     # --log-dir: metrics every --log-every steps, TensorBoard events, config.json.
+    # The loop waits for the device only every --log-every steps (run_log fetches those steps'
+    # losses in one go), at evaluations, checkpoints and the end.
     run_log = eqxpar.recipe.RunLog.from_config(
-        cfg, items_per_step=cfg.batch_size * cfg.context, flops_per_item=flops_per_token, n_devices=mesh.size
+        cfg,
+        items_per_step=cfg.batch_size * cfg.context,
+        flops_per_item=flops_per_token,
+        n_devices=mesh.size,
+        losses=history["losses"] if history else [],
     )
-    throughput = eqxpar.recipe.Throughput(cfg.batch_size * cfg.context)  # tokens per second
-    bar = eqxpar.recipe.progress(eqxpar.recipe.steps_to_run(first_step, cfg.steps), desc=f"tensor parallel {cfg.mesh}")
-    for step in bar:
+    steps = eqxpar.recipe.steps_to_run(first_step, cfg.steps)  # none left: says so
+    for step in run_log.progress(steps, desc=f"tensor parallel {cfg.mesh}"):
         tokens = text_windows(train_ids, cfg.batch_size, cfg.context, seed=cfg.seed, step=step)
         model, opt_state, loss = train_step(model, opt_state, tokens, jax.random.fold_in(train_key, step))
-        losses.append(float(loss))  # waits for the step: honest timing
-        throughput.tick()
         run_log.step(step, {"loss": loss})
         run_log.maybe_eval(step, val_loss=functools.partial(evaluate, model, val_tokens))
-        if step % 10 == 0 or step == cfg.steps - 1:
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{throughput.per_second:,.0f}")
         ckpt.maybe_save(
-            step + 1, (model, opt_state, train_key), data_state={"losses": losses}, force=step + 1 == cfg.steps
+            step + 1, (model, opt_state, train_key), data_state=run_log.data_state, force=step + 1 == cfg.steps
         )
     ckpt.close()
     run_log.close()
+    losses = run_log.losses  # every step's loss
 
     # --- Final check: held-out loss, and a sample from the trained model. ---
     val_loss = float(evaluate(model, val_tokens))
@@ -223,7 +224,7 @@ def main(argv=None) -> dict:
         "batch_size": cfg.batch_size,
         # tokens_per_second, flops_per_token, flops_per_second, and the model FLOPs
         # utilisation against the chips' peak (mfu; null where the peak is unknown: CPU).
-        **eqxpar.recipe.speed_metrics(throughput.per_second, flops_per_token, mesh.size, cfg.dtype),
+        **eqxpar.recipe.speed_metrics(run_log.per_second, flops_per_token, mesh.size, cfg.dtype),
         "model_size": cfg.model_size,
         "dtype": cfg.dtype,
         "attention": cfg.attention,

@@ -165,7 +165,6 @@ def main(argv=None) -> dict:
         own (auto_plan/, split_head/). Returns the model, its losses, the step's
         communication and the step it resumed from."""
         where = None if cfg.log_dir is None else os.path.join(cfg.log_dir, title.replace(" ", "_"))
-        run_log = eqxpar.recipe.RunLog.from_config(cfg, log_dir=where, items_per_step=cfg.batch_size * cfg.context)
         ckpt = eqxpar.checkpoint.Checkpointer.from_config(part_config(cfg, title), shape_fields=SHAPE_FIELDS)
         step = hybrid_step(loss, optimizer, mesh, param_specs=eqxpar.nn.partition_specs(parallel, mesh))
         parallel, opt_state = step.init(parallel)
@@ -173,15 +172,17 @@ def main(argv=None) -> dict:
         say(f"{title}: collectives of one train step (per device):\n{comm}\n")
         # The state as it is split, and the loss history; batches depend on (seed, step) only.
         (parallel, opt_state), first_step, history = ckpt.restore((parallel, opt_state))
-        losses = history["losses"] if history else []
-        for i in eqxpar.recipe.progress(eqxpar.recipe.steps_to_run(first_step, cfg.steps), desc=title):
+        # No wait for the device but every --log-every steps (run_log fetches those losses at once).
+        run_log = eqxpar.recipe.RunLog.from_config(
+            cfg, log_dir=where, items_per_step=cfg.batch_size * cfg.context, losses=history["losses"] if history else []
+        )
+        for i in run_log.progress(eqxpar.recipe.steps_to_run(first_step, cfg.steps), desc=title):
             parallel, opt_state, metrics = step(parallel, opt_state, eqxpar.train.shard_batch(batch(i), mesh))
-            losses.append(float(metrics["loss"]))
             run_log.step(i, metrics)
-            ckpt.maybe_save(i + 1, (parallel, opt_state), data_state={"losses": losses}, force=i + 1 == cfg.steps)
+            ckpt.maybe_save(i + 1, (parallel, opt_state), data_state=run_log.data_state, force=i + 1 == cfg.steps)
         ckpt.close()
         run_log.close()
-        return parallel, losses, comm, first_step
+        return parallel, run_log.losses, comm, first_step
 
     # --- Part 1: the automatic plan. Attention, MLPs and embedding split; the rest whole. ---
     # `parallelize` shares the model's arrays; `step.init` places copies of them on the mesh,
@@ -207,7 +208,8 @@ def main(argv=None) -> dict:
     with jax.default_device(jax.devices()[0]):
         for i in range(cfg.steps):
             dense, dense_opt, loss = dense_step(dense, dense_opt, batch(i))
-            dense_losses.append(float(loss))
+            dense_losses.append(loss)  # on the device: fetched together below, not step by step
+    dense_losses = [float(loss) for loss in jax.device_get(dense_losses)]
     gap = float(np.max(np.abs(np.array(losses) - dense_losses) / np.array(dense_losses)))
     say(
         f"auto plan: loss {losses[0]:.4f} -> {losses[-1]:.4f}; dense model on one device "

@@ -4,14 +4,17 @@
   learning_rate, tokens_per_second, mfu every `--log-every` steps, plus the held-out loss every
   `--eval-every` steps), TensorBoard events with the same scalars, and `config.json` (the
   resolved flags).
-- `RunLog.step` converts (waits for) the metrics on logged steps only: the loop stays
-  asynchronous in between.
+- `RunLog.step` keeps the metrics on the device and fetches them, all the steps' at once,
+  on logged steps only (and at evaluations, checkpoints and the end): the loop stays
+  asynchronous in between, the recipes' loops included.
 """
 
 import dataclasses
 import json
 import struct
 
+import jax
+import jax.numpy as jnp
 import pytest
 from _recipes import RECIPES, load_recipe, run_recipe
 
@@ -111,43 +114,86 @@ def test_data_parallel_logs_examples_per_second_and_test_accuracy(tmp_path):
     assert metrics["test_accuracies"][-1]["test_accuracy"] == metrics["test_accuracy"]
 
 
-class Scalar:
-    """A stand-in for a device scalar that counts how often it is read on the host."""
-
-    reads = 0
-    ndim = 0
-
-    def __init__(self, value):
-        self.value = value
-
-    def item(self):
-        Scalar.reads += 1
-        return self.value
-
-
-def test_run_log_reads_the_metrics_of_logged_steps_only(tmp_path):
-    Scalar.reads = 0
-    log = eqxpar.recipe.RunLog(tmp_path, every=10, total_steps=25, items_per_step=8, learning_rate=0.1)
-    for i in range(25):
-        log.step(i, {"loss": Scalar(float(i)), "grad_norm": Scalar(1.0)})
-    log.close()
+def test_run_log_waits_for_the_device_once_per_log_every_steps(tmp_path, monkeypatch):
+    """The metrics stay on the device between logged steps: every `every` steps one
+    `jax.device_get` fetches all the steps since the last (every step's loss), and nothing
+    converts a device value implicitly (the transfer guard would raise)."""
+    fetched = []
+    device_get = jax.device_get
+    monkeypatch.setattr(jax, "device_get", lambda tree: fetched.append(len(tree)) or device_get(tree))
+    step = jax.jit(lambda x: (x + 1.0, {"loss": 2.0 * x, "grad_norm": x}))
+    log = eqxpar.recipe.RunLog(tmp_path, every=5, total_steps=20, items_per_step=8, learning_rate=0.1)
+    x = jnp.zeros(())
+    with jax.transfer_guard_device_to_host("disallow"):  # float(), .item(), np.asarray of a device value: an error
+        for i in range(20):
+            x, metrics = step(x)
+            log.step(i, metrics)
+        log.close()
+    assert log.fetches == 5 and fetched == [1, 4, 5, 5, 5]  # steps 1, 2-5, 6-10, 11-15, 16-20
+    assert log.losses == [2.0 * i for i in range(20)]  # every step's loss, in order
+    assert log.per_second > 0
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 10, 20, 25]
-    assert Scalar.reads == 2 * len(rows)  # the other 21 steps were never waited for
-    assert [r["loss"] for r in rows] == [0.0, 9.0, 19.0, 24.0]
+    assert [r["step"] for r in rows] == [1, 5, 10, 15, 20]
+    assert [r["loss"] for r in rows] == [0.0, 8.0, 18.0, 28.0, 38.0]
     assert not (tmp_path / "config.json").exists()  # no config given
+
+
+def test_run_log_fetches_at_evaluations_and_checkpoints(tmp_path):
+    log = eqxpar.recipe.RunLog(None, every=10, eval_every=3, losses=[7.0])  # 7.0: a restored history
+    for i in range(6):
+        log.step(i, {"loss": jnp.asarray(float(i))})
+        log.maybe_eval(i, val_loss=lambda: 0.5)
+    assert log.fetches == 3 and log.losses == [7.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0]  # step 1, evaluations at 3, 6
+    log.step(6, {"loss": jnp.asarray(6.0)})
+    assert log.data_state() == {"losses": [7.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0]} and log.fetches == 4
+    log.close()
+    assert log.fetches == 4  # nothing left to fetch
+    assert log.evals == [{"step": 3, "val_loss": 0.5}, {"step": 6, "val_loss": 0.5}]
 
 
 def test_run_log_without_a_folder_writes_nothing_and_still_evaluates(tmp_path, capsys):
     log = eqxpar.recipe.RunLog(None, every=1, eval_every=3)
-    Scalar.reads = 0
     for i in range(6):
-        log.step(i, {"loss": Scalar(1.0)})
+        log.step(i, {"loss": jnp.asarray(1.0)})
         log.maybe_eval(i, val_loss=lambda: 0.5)
     log.close()
-    assert Scalar.reads == 0
+    assert log.losses == [1.0] * 6 and not list(tmp_path.iterdir())
     assert log.evals == [{"step": 3, "val_loss": 0.5}, {"step": 6, "val_loss": 0.5}]
     assert "step 3: val_loss 0.5000" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, flags",
+    [
+        ("data_parallel", ["--batch-size", "16", "--width", "16"]),
+        ("hybrid_gpt", [*SMALL_GPT, "--sample-chars", "0", "--mesh", "data=2,model=2"]),
+    ],
+)
+def test_recipe_loops_wait_for_the_device_every_log_every_steps_only(tmp_path, monkeypatch, name, flags):
+    """The recipe's loop body converts no device value (the transfer guard is on for it):
+    with --log-every 5 over 10 steps, RunLog fetched three times (steps 1, 2-5, 6-10)."""
+    logs = []
+    progress, close = eqxpar.recipe.RunLog.progress, eqxpar.recipe.RunLog.close
+
+    def guarded(self, steps, **kwargs):
+        logs.append(self)
+
+        def loop():  # the guard holds while the loop body runs (it is thread state, not scoped)
+            with jax.transfer_guard_device_to_host("disallow"):
+                yield from progress(self, steps, **kwargs)
+
+        return loop()
+
+    def closed(self):
+        self.fetches_in_loop = getattr(self, "fetches_in_loop", self.fetches)
+        close(self)
+
+    monkeypatch.setattr(eqxpar.recipe.RunLog, "progress", guarded)
+    monkeypatch.setattr(eqxpar.recipe.RunLog, "close", closed)
+    metrics = run_recipe(name, tmp_path, *flags, "--steps", "10", "--log-every", "5")
+    assert len(logs) == 1 and logs[0].fetches_in_loop == 3 and len(logs[0].losses) == 10
+    assert logs[0].losses[-1] == metrics["final_loss"]
 
 
 @pytest.mark.parametrize(

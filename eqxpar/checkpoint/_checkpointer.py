@@ -270,8 +270,9 @@ class Checkpointer:
           train step returned (its inputs were donated). Arrays may be sharded over any
           mesh; typed PRNG keys are fine.
         - `data_state`: a JSON value describing the data position (e.g. `{"epoch": 2,
-          "index": 1024}`, or a grain iterator's `get_state()`), saved per process. It must
-          survive a JSON round trip unchanged (lists rather than tuples, string keys).
+          "index": 1024}`, or a grain iterator's `get_state()`), saved per process, or a
+          function returning one, called only when a checkpoint is saved (e.g. to fetch
+          metrics from the device). It must survive a JSON round trip unchanged.
         - `force`: save whatever `step` is (e.g. at the last step of a run).
 
         **Returns:**
@@ -293,7 +294,7 @@ class Checkpointer:
         stop = self._watch.step(step)  # every process, every step
         if not self.enabled or (not force and not stop and step % self.save_every):
             return False
-        data_text = json_text(data_state)
+        data_text = json_text(data_state() if callable(data_state) else data_state)
         arrays, described = saved_arrays(state)
         manager = self._open()
         self._drop_unreadable(manager)

@@ -1,5 +1,7 @@
 """A training run's records (`--log-dir`): per-step metrics as JSON lines, TensorBoard events,
-and the resolved config, plus periodic held-out evaluation (`--eval-every`)."""
+and the resolved config, plus periodic held-out evaluation (`--eval-every`). The training
+loop stays asynchronous: the steps' metrics stay on the device and come to the host
+together, every `--log-every` steps."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import jax.numpy as jnp
 
 from .._optional import require
 from ..inspect import mfu
-from ._output import is_main_process
+from ._output import Throughput, is_main_process, progress
 
 __all__ = ["LogFlags", "RunLog", "check_log_flags"]
 
@@ -32,7 +34,9 @@ class LogFlags:
       TensorBoard events (`tensorboard --logdir DIR`) and `DIR/config.json` (the resolved
       flags). Default: no records.
     - `--log-every N`: log the training metrics of every `N`-th step, and of the first and
-      last (default 10).
+      last (default 10). The loop waits for the device only then (and at evaluations,
+      checkpoints and the end): in between the host runs up to `N` steps ahead, so
+      `--watchdog-s` must exceed `N` steps' time.
 
     [`eqxpar.recipe.RunLog.from_config`][] reads them.
     """
@@ -67,13 +71,20 @@ class RunLog:
     """A training run's records in a folder, written by process 0.
 
     ```python
-    log = eqxpar.recipe.RunLog.from_config(cfg, items_per_step=cfg.batch_size * cfg.context)
-    for i in range(first_step, cfg.steps):
+    log = eqxpar.recipe.RunLog.from_config(cfg, items_per_step=cfg.batch_size * cfg.context, losses=[])
+    for i in log.progress(range(first_step, cfg.steps)):
         model, opt_state, metrics = step(model, opt_state, batch(i))
-        log.step(i, metrics)  # converts (and so waits for) the metrics every --log-every steps only
+        log.step(i, metrics)  # kept on the device; fetched together every --log-every steps
         log.maybe_eval(i, val_loss=functools.partial(evaluate, model, held_out))  # every --eval-every steps
-    log.close()
+        ckpt.maybe_save(i + 1, (model, opt_state), data_state=log.data_state)  # called when it saves
+    log.close()  # fetches what is left
+    log.losses, log.per_second  # every step's loss, and the items per second
     ```
+
+    `step` does not wait for the device: it keeps the step's metrics (device scalars) and
+    fetches those of all the steps since the last fetch in one `jax.device_get` on logged
+    steps, on the loop's first step (which starts the clock) and in `flush` (evaluations,
+    `data_state`, `close`). `fetches` counts those waits.
 
     Step numbers are steps done: the loop's step `i` is logged as `i + 1`, as checkpoints count.
     `metrics.jsonl` has one object per logged step: `step`, `time_s` (since the log began),
@@ -95,6 +106,8 @@ class RunLog:
     - `learning_rate`: a number, or an optax schedule (a function of the step).
     - `flops_per_item`, `n_devices`, `dtype`: for the MFU ([`eqxpar.inspect.mfu`][]).
     - `eval_every`: evaluate every `eval_every` steps (`maybe_eval`); 0: never.
+    - `losses`: the losses of the steps before (restored from a checkpoint's `data_state`);
+      each step's `loss` is appended to it as it is fetched.
     """
 
     def __init__(
@@ -111,6 +124,7 @@ class RunLog:
         n_devices: int | None = None,
         dtype: Any = "float32",
         eval_every: int = 0,
+        losses: list[float] | None = None,
     ):
         for name, value, least in (("every", every, 1), ("eval_every", eval_every, 0)):
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
@@ -125,6 +139,11 @@ class RunLog:
         self._start = time.perf_counter()
         self._last: tuple[int, float] | None = None  # (step, time) of the previous logged step
         self._jsonl = self._board = None
+        self.losses: list[float] = [] if losses is None else list(losses)
+        self.fetches = 0  # how often the loop waited for the device (one jax.device_get each)
+        self._pending: list[tuple[int, Mapping[str, Any]]] = []  # steps not yet fetched
+        self._throughput = Throughput(items_per_step or 1)
+        self._bar: Any = None
         if self.log_dir is not None:
             tbx = require("tensorboardX", package="tensorboardX", extra="recipes", purpose="--log-dir")
             if self._writes:
@@ -160,21 +179,62 @@ class RunLog:
         done = i + 1
         return done == 1 or done % self.every == 0 or done == self.total_steps
 
-    def step(self, i: int, metrics: Mapping[str, Any]) -> None:
-        """Record the loop's step `i` (its metrics: device scalars, not yet converted).
+    def progress(self, steps: range, *, desc: str = "train"):
+        """[`eqxpar.recipe.progress`][] over the loop's `steps`; each fetch shows the newest
+        loss and the items per second on it."""
+        self._bar = progress(steps, desc=desc)
+        return self._bar
 
-        Does nothing on steps that are not logged: the loop stays asynchronous. On logged
-        steps (process 0, with a folder) it converts the metrics, which waits for the step.
+    def step(self, i: int, metrics: Mapping[str, Any]) -> None:
+        """Record the loop's step `i`: its metrics (device scalars) are kept, not waited for.
+
+        On the loop's first step and on logged steps it fetches them with those of the
+        steps before (`flush`); on the others it returns at once: the loop stays asynchronous.
         """
-        if not self._writes or not self.due(i):
+        self._pending.append((i, metrics))
+        if self.due(i) or not self.fetches:
+            self.flush()
+
+    def flush(self) -> None:
+        """Fetch the metrics of every step not yet fetched in one `jax.device_get` (this waits
+        for the newest of them), append their losses to `losses`, write the rows of the
+        logged steps among them, and show the newest loss on the progress bar."""
+        if not self._pending:
             return
+        fetched = jax.device_get([metrics for _, metrics in self._pending])
+        self.fetches += 1
+        self._throughput.tick(len(fetched))
+        now = time.perf_counter()  # after the fetch: the steps have finished
+        for (i, _), metrics in zip(self._pending, fetched):
+            if "loss" in metrics:
+                self.losses.append(float(metrics["loss"]))
+            if self._writes and self.due(i):
+                self._row(i, metrics, now)
+        self._pending = []
+        if self._bar is not None and self.losses:
+            name = "tok_s" if self.items == "tokens" else f"{self.items}_s"
+            rate = {} if math.isnan(self.per_second) else {name: f"{self.per_second:,.0f}"}
+            self._bar.set_postfix(loss=f"{self.losses[-1]:.4f}", **rate)
+
+    def data_state(self) -> dict[str, list[float]]:
+        """`{"losses": [...]}`, every step's loss so far (fetched first): pass the method
+        itself as `Checkpointer.maybe_save`'s `data_state`, which calls it only when it saves."""
+        self.flush()
+        return {"losses": list(self.losses)}
+
+    @property
+    def per_second(self) -> float:
+        """Items per second from the end of the loop's first step to the last fetch
+        ([`eqxpar.recipe.Throughput`][]; NaN before a second step)."""
+        return self._throughput.per_second
+
+    def _row(self, i: int, metrics: Mapping[str, Any], now: float) -> None:
         row: dict[str, Any] = {"step": i + 1}
         row.update({name: _plain(value) for name, value in metrics.items()})
-        now = time.perf_counter()  # after the conversion: the step has finished
         row["time_s"] = now - self._start
         if self.learning_rate is not None:
             lr = self.learning_rate(i) if callable(self.learning_rate) else self.learning_rate
-            row["learning_rate"] = _plain(jnp.asarray(lr)) if callable(self.learning_rate) else float(lr)
+            row["learning_rate"] = _plain(jax.device_get(lr)) if callable(self.learning_rate) else float(lr)
         if self.items_per_step is not None:
             rate = None
             if self._last is not None and i + 1 > self._last[0] and now > self._last[1]:
@@ -196,6 +256,7 @@ class RunLog:
         (an evaluation may be a collective); process 0 prints and writes."""
         if not self.eval_every or (i + 1) % self.eval_every:
             return None
+        self.flush()  # the evaluation waits for step i anyway
         row = {"step": i + 1, **{name: _plain(evaluate()) for name, evaluate in evaluations.items()}}
         self.evals.append(row)
         if self._last is not None:  # the next rate leaves out the evaluation's time
@@ -222,7 +283,10 @@ class RunLog:
                 self._board.add_scalar(f"{group}/{name}", value, row["step"])
 
     def close(self) -> None:
-        """Flush and close the files (also safe to call twice)."""
+        """Fetch the steps not yet fetched, then flush and close the files (also safe to call
+        twice)."""
+        self._bar = None  # the loop has ended, and its bar with it
+        self.flush()
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None

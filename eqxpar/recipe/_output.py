@@ -89,7 +89,8 @@ class Throughput:
     """Items (tokens, examples) per second over a training loop, leaving out its first step.
 
     The first step includes compiling; timing starts when it ends. Call `tick()` after each
-    step has finished (e.g. after reading its loss, which waits for it).
+    step has finished (e.g. after reading its loss, which waits for it), or `tick(n)` once
+    for `n` steps fetched together ([`eqxpar.recipe.RunLog`][] does, every `--log-every` steps).
 
     **Arguments:**
 
@@ -102,13 +103,14 @@ class Throughput:
         self._last: float | None = None
         self._steps = 0
 
-    def tick(self) -> None:
-        """Count one finished step."""
+    def tick(self, steps: int = 1) -> None:
+        """Count `steps` steps that have just finished; the first call starts the clock (its
+        steps, the first of which compiled, are left out)."""
         self._last = time.perf_counter()
         if self._started is None:
             self._started = self._last
         else:
-            self._steps += 1
+            self._steps += steps
 
     @property
     def per_second(self) -> float:
