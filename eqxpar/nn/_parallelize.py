@@ -19,6 +19,7 @@ from ._base import TensorParallelLayer
 from ._convert import from_dense
 from ._coverage import check_coverage
 from ._plan import STYLES, Plan, PlanRow, describe, has_arrays, is_unit, path_text, resolve, stacked_weight, units, walk
+from ._plan_checks import check_not_inside_composite, check_pairs
 
 __all__ = ["parallelize", "auto_plan"]
 
@@ -141,7 +142,7 @@ def _explicit_styles(plan: Mapping, model: Any, nodes: list) -> tuple[dict, set]
         for p in paths:
             node = by_path[p]
             if style != "replicate":
-                _check_not_inside_composite(p, style, by_path)
+                check_not_inside_composite(p, style, by_path)
             if p in unit_set:
                 styles[p] = style
                 continue
@@ -164,68 +165,6 @@ def _explicit_styles(plan: Mapping, model: Any, nodes: list) -> tuple[dict, set]
             # A container kept whole (tensor-parallel layers in it stay as they are).
             styles.update({u: "replicate" for u in under if not isinstance(by_path[u], TensorParallelLayer)})
     return styles, opened
-
-
-def _check_not_inside_composite(path: tuple, style: str, by_path: dict) -> None:
-    """Refuse to split a part of an `equinox.nn` layer whose own code reshapes what its parts
-    compute: `eqx.nn.MultiheadAttention` cuts its projections' outputs into heads with its
-    own `num_heads`, so a "column" `value_proj` (and a "row" `output_proj`) gives each
-    device a slice that is not a whole number of its heads, and it trains silently wrong
-    (loss 3.5e-3 off). Only `eqx.nn.MLP` (Linears called one after another with elementwise
-    activations between) can be split part by part."""
-    for i in range(len(path) - 1, -1, -1):
-        outer = by_path.get(path[:i])
-        if outer is None or isinstance(outer, (eqx.nn.MLP, TensorParallelLayer)) or not is_unit(outer):
-            continue
-        whole = path_text(path[:i])
-        fix = (
-            f"plan {{'{whole}': 'attention'}} (its heads split whole, with their projections)"
-            if isinstance(outer, eqx.nn.MultiheadAttention)
-            else f"plan {{'{whole}': 'replicate'}} (keep it whole)"
-        )
-        how = (
-            f" (it cuts its projections' outputs into its num_heads={outer.num_heads} heads)"
-            if isinstance(outer, eqx.nn.MultiheadAttention)
-            else ""
-        )
-        raise ValueError(
-            f"parallelize: the plan splits {path_text(path)} as {style!r}, a part of {whole} "
-            f"({describe(outer)}), whose own code works on its parts' whole outputs{how}: split "
-            f"separately, it would train silently wrong. Plan the {type(outer).__name__} as a "
-            f"whole instead: {fix}."
-        )
-
-
-def _check_pairs(seq: list, axis_name: str) -> None:
-    """A 'row' layer needs its input split by the 'column' layer right before it; a 'column'
-    layer's split output must go to such a 'row' layer (or leave the model as split logits)."""
-    for i, (path, node, style) in enumerate(seq):
-        before = seq[i - 1] if i > 0 else None
-        after = seq[i + 1] if i + 1 < len(seq) else None
-        if style == "row":
-            if before is None or before[2] != "column" or before[1].out_features != node.in_features:
-                what = (
-                    "nothing"
-                    if before is None
-                    else f"{path_text(before[0])} ({describe(before[1])}, planned {before[2]!r})"
-                )
-                raise ValueError(
-                    f"parallelize: 'row' at {path_text(path)} expects its input already split over "
-                    f"{axis_name!r} by a 'column' Linear with out_features={node.in_features} right "
-                    f"before it (in the model's field order), but before it comes {what}: its input "
-                    f"would arrive whole and the split would need a collective the plan does not "
-                    f"have. Plan the preceding Linear as 'column', or this one as 'column_gathered' "
-                    f"or 'replicate'."
-                )
-        if style == "column" and after is not None:
-            if after[2] != "row" or getattr(after[1], "in_features", None) != node.out_features:
-                raise ValueError(
-                    f"parallelize: 'column' at {path_text(path)} leaves its output split over "
-                    f"{axis_name!r}, but the next layer, {path_text(after[0])} ({describe(after[1])}, "
-                    f"planned {after[2]!r}), expects the whole vector: that would need an all-gather "
-                    f"the plan does not have. Plan {path_text(after[0])} as 'row' (a Linear with "
-                    f"in_features={node.out_features}), or this layer as 'column_gathered'."
-                )
 
 
 def parallelize(
@@ -320,7 +259,7 @@ def parallelize(
             raise ValueError(f"parallelize: {path_text(p)} ({describe(node)}) cannot be {style!r}: {problem}.")
         if has_arrays(node) or style != "replicate":
             seq.append((p, node, style))
-    _check_pairs([s for s in seq if has_arrays(s[1])], axis_name)
+    check_pairs([s for s in seq if has_arrays(s[1])], axis_name)
     check_coverage(seq, notes, explicit=isinstance(plan, Mapping), strict=strict)
 
     rows, new = [], {}
