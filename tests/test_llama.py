@@ -19,7 +19,7 @@ import eqxpar
 import eqxpar.nn
 from eqxpar.inspect import CommReport
 from eqxpar.models import Llama, LlamaConfig, llama_loss
-from eqxpar.testing import assert_trees_close, mesh_sizes
+from eqxpar.testing import assert_trees_close, check_parallel_parity, mesh_sizes
 from eqxpar.train import fsdp_step, hybrid_step
 
 VOCAB, SEQ, BATCH = 64, 8, 8
@@ -339,6 +339,14 @@ def test_hybrid_llama_matches_one_device(sizes, num_kv_heads, scan, tie, seed):
 @example(sizes={"fsdp": 4, "model": 1}, num_kv_heads=1, scan=False, tie=False, seed=4)
 def test_fsdp_llama_matches_one_device(sizes, num_kv_heads, scan, tie, seed):
     check_parity("fsdp", sizes, num_kv_heads, scan, tie, seed)
+
+
+def test_the_parity_toolkit_takes_the_llama_as_its_own_dense_model():
+    model = tiny_llama(0, 2, tie=True, scan=True)
+    report = check_parallel_parity(
+        model, model, loss_fn, sgd_momentum(), eqxpar.make_mesh(data=2, model=2), token_batch(0), steps=2
+    )
+    assert "parallel == dense" in str(report)
 
 
 def test_tensor_parallel_all_reduces_are_the_designed_ones():

@@ -141,14 +141,11 @@ class Llama(TensorParallelLayer):
         TensorParallelLayer.check_axis_size(self, size, "" if where == "<root>" else where)
 
     def to_dense(self) -> Llama:
-        """The Llama with every tensor-parallel layer inside it made dense (a tree of
-        `eqx.nn.Linear`s and `eqx.nn.Embedding`, global form only: for inspection and
-        comparison, not to be called)."""
-        return jax.tree.map(
-            lambda node: node.to_dense() if isinstance(node, TensorParallelLayer) else node,
-            self,
-            is_leaf=lambda node: node is not self and isinstance(node, TensorParallelLayer),
-        )
+        """The Llama itself: its global form is its own dense model (it runs on one device
+        over a mesh whose model axis has size 1). So [`eqxpar.nn.to_dense`][] leaves it
+        whole, and [`eqxpar.testing.check_parallel_parity`][] takes the same Llama as the
+        dense and the parallel model."""
+        return self
 
     def head(self) -> ColumnParallelLinear:
         """The output head: `lm_head`, or with tied embeddings a column-parallel layer over
