@@ -16,6 +16,11 @@ axis as well (Megatron sequence parallelism); with `attention_impl="ring"` or
 `"all_gather"` every sequence is split over a `context` axis (context parallelism).
 [`eqxpar.models.gpt_stages`][] cuts it into the parts [`eqxpar.train.pipeline_step`][]
 runs (the model states how it is pipelined; `eqxpar.train` names no model).
+
+[`eqxpar.models.Llama`][] is a Llama-style family built from the same layers (RMSNorm,
+rotary embeddings, grouped-query attention, SwiGLU, optional tied embeddings), its fields
+named as Hugging Face's `LlamaForCausalLM`, with shapes from a CPU demo to Llama-3-8B's
+([`eqxpar.models.llama_config`][]); train it with [`eqxpar.models.llama_loss`][].
 """
 
 from ._block import REMAT_CHOICES, TransformerBlock, remat_wrapper, sequence_dropout
