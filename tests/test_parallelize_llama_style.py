@@ -206,3 +206,29 @@ def test_a_row_after_a_group_of_other_widths_is_refused():
     plan = {"blocks[*].mlp.gate": "column", "blocks[*].mlp.up": "column", "blocks[*].attention.o": "row"}
     with pytest.raises(ValueError, match=r"'row' at blocks\[0\]\.attention\.o expects its input already split"):
         eqxpar.nn.parallelize(LlamaStyle(2, key=jax.random.key(0)), plan, axis_name="model")
+
+
+class FusedAttention(eqx.Module):
+    qkv: eqx.nn.Linear
+    o: eqx.nn.Linear
+
+    def __init__(self, *, key):
+        k1, k2 = jax.random.split(key)
+        self.qkv = eqx.nn.Linear(DIM, 3 * HEADS * HEAD_DIM, use_bias=False, key=k1)
+        self.o = eqx.nn.Linear(HEADS * HEAD_DIM, DIM, use_bias=False, key=k2)
+
+    def __call__(self, x):
+        q, k, v = jnp.split(jax.vmap(self.qkv)(x), 3, axis=-1)
+        heads = [t.reshape(x.shape[0], -1, HEAD_DIM) for t in (q, k, v)]
+        logits = jnp.einsum("qhd,khd->hqk", heads[0], heads[1]) / math.sqrt(HEAD_DIM)
+        out = jnp.einsum("hqk,khd->qhd", jax.nn.softmax(logits, axis=-1), heads[2])
+        return jax.vmap(self.o)(out.reshape(x.shape[0], -1))
+
+
+def test_a_fused_qkv_projection_split_as_column_is_refused():
+    """One Linear computing q, k and v side by side: split contiguously, device 0 would get
+    the first third of q, and `jnp.split(..., 3)` would take it for its q, k and v (the
+    reshape by head_dim still works: it would train silently wrong). Refused, naming why."""
+    plan = {"qkv": "column", "o": "row"}
+    with pytest.raises(ValueError, match=r"fused q/k/v or gate/up Linear: out_features=96 against the 32 o takes"):
+        eqxpar.nn.parallelize(FusedAttention(key=jax.random.key(0)), plan, axis_name="model")

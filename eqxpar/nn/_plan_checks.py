@@ -85,12 +85,24 @@ def check_pairs(seq: list, axis_name: str) -> None:
                 not in (member[1].out_features for member in seq[group_start(seq, i) : j])
             ):
                 nxt = seq[i + 1] if after is None else after
+                fused = ""
+                if after is not None and after[2] == "row":
+                    # A 'row' of another width: the usual cause is a fused projection (q, k
+                    # and v, or gate and up, side by side in one Linear), whose contiguous
+                    # split would hand a device a slice of q instead of its block of each.
+                    fused = (
+                        f" If {path_text(path)} computes several projections side by side (a fused "
+                        f"q/k/v or gate/up Linear: out_features={node.out_features} against the "
+                        f"{after[1].in_features} {path_text(after[0])} takes), a 'column' split would "
+                        f"give each device a slice of the first projection, not its block of each, and "
+                        f"train silently wrong: keep it whole ('replicate') or make it separate Linears."
+                    )
                 raise ValueError(
                     f"parallelize: 'column' at {path_text(path)} leaves its output split over "
                     f"{axis_name!r}, but the next layer, {path_text(nxt[0])} ({describe(nxt[1])}, "
                     f"planned {nxt[2]!r}), expects the whole vector: that would need an all-gather "
                     f"the plan does not have. Plan {path_text(nxt[0])} as 'row' (a Linear with "
-                    f"in_features={node.out_features}), or this layer as 'column_gathered'."
+                    f"in_features={node.out_features}), or this layer as 'column_gathered'.{fused}"
                 )
 
 
