@@ -11,6 +11,7 @@ from . import (
     inspect,  # what a compiled function communicates
     models,  # a small GPT built from eqxpar.nn layers
     nn,  # tensor-parallel layers: eqxpar.nn.ParallelMLP, ...
+    plan,  # the layout planner: eqxpar.plan.plan(config, batch=..., cluster=...)
     train,  # train steps: eqxpar.train.data_parallel_step
 )
 from ._mesh import fit_mesh, make_mesh, parse_mesh, simulate_cpu_devices
@@ -45,6 +46,7 @@ __all__ = [
     "inspect",
     "models",
     "nn",
+    "plan",
     "train",
 ]
 

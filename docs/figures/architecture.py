@@ -53,6 +53,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "eqxpar.distributed",
             "eqxpar.launch",
             "eqxpar.datasets",
+            "eqxpar.plan",  # the layout planner: prices GPT steps (models, train) by their theories
         ),
     ),
     ("7. recipes' plumbing", ("eqxpar.testing", "eqxpar.recipe", "eqxpar")),

@@ -1,0 +1,75 @@
+"""What a plan builds: its mesh, GPT, train step and placed batch, with eqxpar's own
+builders (`eqxpar.make_mesh`, `eqxpar.train.hybrid_step` / `fsdp_step`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec
+
+from .._mesh import make_mesh
+from .._sharding import shard
+from ..models import GPT, next_token_loss
+from ..nn import vocab_parallel_cross_entropy, zigzag_order
+from ..train import Precision, TrainStep, fsdp_step, hybrid_step
+from ._candidates import Layout
+
+BATCH_AXES = ("data", "fsdp")
+
+
+def build_mesh(layout: Layout, devices: Sequence[Any] | None = None):
+    sizes: dict[str, Any] = layout.sizes
+    return make_mesh(devices=devices, **sizes)
+
+
+def build_model(plan: Any, key: Any) -> GPT:
+    c, layout = plan.config, plan.layout
+    return GPT(
+        plan.vocab_size,
+        c.context,
+        c.dim,
+        c.heads,
+        c.layers,
+        attention_dropout_p=0.0,
+        pad_vocab_to_multiple_of=plan.pad_vocab_to_multiple_of,
+        attention_impl=layout.attention,
+        scan_layers=True,
+        remat=layout.remat,
+        sequence_parallel=layout.sequence_parallel,
+        key=key,
+    )
+
+
+def whole_loss(model: GPT, tokens: Any, key: Any = None):
+    """Next-token loss of whole sequences (`(batch, seq + 1)` ids)."""
+    return next_token_loss(model, tokens, key=key)
+
+
+def split_loss(model: GPT, batch: Any, key: Any = None):
+    """Next-token loss of this device's positions of every sequence (context parallelism:
+    inputs and targets already in zigzag layout)."""
+    inputs, targets = batch
+    logits = model(inputs, key=key)
+    return jnp.mean(vocab_parallel_cross_entropy(logits, targets, model.axis_name, model.vocab_size))
+
+
+def build_step(plan: Any, optimizer: optax.GradientTransformation, mesh: Any, *, precision: Any = None) -> TrainStep:
+    layout = plan.layout
+    context_axis = "context" if layout.context > 1 else None
+    loss = split_loss if context_axis else whole_loss
+    if precision is None and plan.dtype != jnp.float32:
+        precision = Precision(compute_dtype=plan.dtype)
+    if layout.fsdp > 1:
+        return fsdp_step(loss, optimizer, mesh, batch_axis=BATCH_AXES, context_axis=context_axis, precision=precision)
+    return hybrid_step(loss, optimizer, mesh, batch_axis=BATCH_AXES, context_axis=context_axis, precision=precision)
+
+
+def build_batch(layout: Layout, tokens: Any, mesh: Any):
+    if layout.context == 1:
+        return shard(tokens, mesh, PartitionSpec(BATCH_AXES))
+    order = zigzag_order(tokens.shape[-1] - 1, layout.context)
+    inputs, targets = tokens[:, :-1][:, order], tokens[:, 1:][:, order]
+    return shard((inputs, targets), mesh, PartitionSpec(BATCH_AXES, "context"))

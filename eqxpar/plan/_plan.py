@@ -1,0 +1,328 @@
+"""`eqxpar.plan.plan`: every layout of a GPT step on a cluster, priced by exact theory, the
+fastest that fit first."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ..inspect import CommTheory
+from ..models import GPT, GPTConfig
+from . import _cluster
+from ._abstract import abstract_gpt, abstract_mesh
+from ._build import build_batch, build_mesh, build_model, build_step
+from ._candidates import REMATS, Layout, layouts, rule_out
+from ._cluster import Cluster
+from ._predict import Memory, StepTime, comm_theory, flops_per_device, layout_specs, memory, step_time
+
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One layout of a GPT step on a cluster, with what it is predicted to cost.
+
+    - `layout`: an [`eqxpar.plan.Layout`][] (axis sizes, remat, sequence parallelism, attention).
+    - `comm`: the step's collectives, an [`eqxpar.inspect.CommTheory`][] (per device, per
+      step; exact for float32 compute, see the concept page for other dtypes).
+    - `memory`: an [`eqxpar.plan.Memory`][] (bytes per device).
+    - `flops`: FLOPs one device executes per step (recomputation included).
+    - `time`: an [`eqxpar.plan.StepTime`][] (seconds: compute, communication, both bounds).
+    - `reason`: one line naming what decided the plan's place.
+    - `fits`: whether `memory.peak` is within the cluster's memory per device.
+
+    `plan.mesh()`, `plan.model(key)`, `plan.step(optimizer)` and `plan.batch(tokens, mesh)`
+    build what it describes with eqxpar's own builders.
+    """
+
+    layout: Layout
+    comm: CommTheory
+    memory: Memory
+    flops: float
+    time: StepTime
+    fits: bool
+    reason: str
+    config: GPTConfig
+    vocab_size: int
+    batch_size: int
+    seq_len: int
+    dtype: Any
+    pad_vocab_to_multiple_of: int
+    optimizer: optax.GradientTransformation
+
+    def mesh(self, devices: Sequence[Any] | None = None):
+        """The mesh: axes `data, fsdp, context, model` (size-1 axes included), over the first
+        devices of `devices` (default `jax.devices()`)."""
+        return build_mesh(self.layout, devices)
+
+    def model(self, key: Any) -> GPT:
+        """The GPT this plan runs (scanned layers, its remat, sequence parallelism and
+        attention), with weights from `key`."""
+        return build_model(self, key)
+
+    def step(self, optimizer: optax.GradientTransformation, mesh: Any = None, *, precision: Any = None):
+        """The train step ([`eqxpar.train.hybrid_step`][], or [`eqxpar.train.fsdp_step`][] with
+        `fsdp > 1`) on `mesh` (default `self.mesh()`), taking batches from `self.batch`."""
+        return build_step(self, optimizer, mesh if mesh is not None else self.mesh(), precision=precision)
+
+    def batch(self, tokens: Any, mesh: Any):
+        """`tokens` (`(batch, seq + 1)` ids) placed for the step: split over `data x fsdp`,
+        and with a context axis reordered into zigzag layout and cut into inputs and targets."""
+        return build_batch(self.layout, tokens, mesh)
+
+    def row(self) -> tuple[str, ...]:
+        """The plan as a row of [`eqxpar.plan.table`][]."""
+        t, m = self.time, self.memory
+        return (
+            str(self.layout),
+            f"{t.expected * 1e3:.1f}",
+            f"{t.overlap * 1e3:.1f}-{t.no_overlap * 1e3:.1f}",
+            f"{t.compute * 1e3:.1f}",
+            f"{self.comm.bytes() / GB:.2f}",
+            f"{m.peak / GB:.1f}",
+            self.reason,
+        )
+
+
+def table(plans: Sequence[Plan]) -> str:
+    """The plans as a text table: layout, expected step time, its bounds, compute time,
+    collective GB per device and step, predicted peak GB per device, and the reason."""
+    head = ("layout", "step ms", "bounds ms", "compute ms", "comm GB", "peak GB", "why")
+    rows = [head] + [p.row() for p in plans]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head) - 1)]
+    lines = []
+    for r in rows:
+        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:-1], widths[1:])] + [r[-1]]
+        lines.append("  ".join(cells))
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def _optimizer(optimizer: Any) -> optax.GradientTransformation:
+    if isinstance(optimizer, optax.GradientTransformation):
+        return optimizer
+    makers = {"adamw": lambda: optax.adamw(3e-4), "adam": lambda: optax.adam(3e-4), "sgd": lambda: optax.sgd(0.1)}
+    if optimizer not in makers:
+        raise ValueError(
+            f"plan: optimizer must be an optax GradientTransformation or one of {sorted(makers)}, got {optimizer!r}."
+        )
+    return makers[optimizer]()
+
+
+def _check(config, batch, seq, vocab_size, top) -> None:
+    if not isinstance(config, GPTConfig):
+        raise ValueError(f"plan: config must be an eqxpar.models.GPTConfig, got {type(config).__name__}.")
+    for name, value in (("batch", batch), ("seq", seq), ("vocab_size", vocab_size)):
+        if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            raise ValueError(f"plan: {name} must be a positive integer, got {value!r}.")
+    if seq > config.context:
+        raise ValueError(f"plan: seq={seq} is longer than the config's context ({config.context}).")
+    if top is not None and not (isinstance(top, int) and top > 0):
+        raise ValueError(f"plan: top must be a positive integer or None, got {top!r}.")
+
+
+def plan(
+    config: GPTConfig,
+    *,
+    batch: int,
+    cluster: Cluster | str,
+    seq: int | None = None,
+    optimizer: Any = "adamw",
+    dtype: Any = jnp.bfloat16,
+    top: int | None = 5,
+    vocab_size: int = 50257,
+    pad_vocab_to_multiple_of: int = 128,
+    remats: Sequence[str] = REMATS,
+    include_infeasible: bool = False,
+) -> list[Plan]:
+    """The fastest layouts of a GPT train step that fit the cluster, best first.
+
+    Enumerates every factorisation of the cluster's devices into `data x fsdp x context x
+    model`, times remat (`none`, `save_matmuls`, `block`), Megatron sequence parallelism
+    (with `model > 1`) and ring or all-gather attention (with `context > 1`); rules out what
+    the library's own checks refuse (heads, MLP width and vocabulary over `model`, the batch
+    over `data x fsdp`, the sequence over `context`, zigzag chunks, sequence parallelism's
+    split); prices each by the exact theories (collective bytes per kind and axes,
+    parameter, optimizer-state and saved-activation bytes) plus an estimate of XLA's
+    temporaries; drops what exceeds `cluster.memory_per_device`; and ranks the rest by a
+    roofline step time (`StepTime.expected`). Pipelines (a `stage` axis) and gradient
+    accumulation are not planned yet. Everything is computed from shapes
+    (`equinox.filter_eval_shape`): nothing is allocated or compiled.
+
+    **Arguments:**
+
+    - `config`: the GPT's shape, an [`eqxpar.models.GPTConfig`][].
+    - `batch`: sequences per step (the global batch).
+    - `cluster`: an [`eqxpar.plan.Cluster`][] or a preset name (`"h100"`, one host).
+    - `seq`: tokens per sequence (default: the config's context).
+    - `optimizer`: an optax optimizer or `"adamw"`, `"adam"`, `"sgd"` (its state's size counts).
+    - `dtype`: the compute dtype (float32 master weights and optimizer state; `bfloat16`
+      matmuls by default).
+    - `top`: how many plans to return (None: all).
+    - `vocab_size`, `pad_vocab_to_multiple_of`: the GPT's vocabulary (GPT-2's by default).
+    - `remats`: the remat policies to consider.
+    - `include_infeasible`: also return the plans that do not fit (after those that do).
+
+    **Returns:**
+
+    A list of [`eqxpar.plan.Plan`][]s, fastest first.
+
+    **Raises:**
+
+    - `ValueError` for a bad argument or unknown device kind; if no layout divides the
+      batch (naming the smallest batch that one would); if nothing fits in memory (naming
+      the smallest memory per device that would do).
+    """
+    seq = config.context if seq is None else seq
+    _check(config, batch, seq, vocab_size, top)
+    if isinstance(cluster, str):
+        cluster = _cluster.cluster(cluster)
+    if not isinstance(cluster, Cluster):
+        raise ValueError(f"plan: cluster must be an eqxpar.plan.Cluster or a preset name, got {cluster!r}.")
+    dtype = np.dtype(dtype)
+    cluster.flops(dtype)
+    bad = [r for r in remats if r not in REMATS]
+    if bad or not remats:
+        raise ValueError(f"plan: remats must be a non-empty subset of {REMATS}, got {tuple(remats)!r}.")
+    opt = _optimizer(optimizer)
+    plans = []
+    for layout in layouts(cluster.devices):
+        if layout.remat not in remats:
+            continue
+        priced = price(layout, config, batch, seq, cluster, opt, dtype, vocab_size, pad_vocab_to_multiple_of)
+        if priced is not None:
+            plans.append(priced)
+    if not plans:
+        raise ValueError(_no_layout(config, batch, seq, cluster, vocab_size, pad_vocab_to_multiple_of))
+    fitting = [p for p in plans if p.fits]
+    if not fitting and not include_infeasible:
+        least = min(plans, key=lambda p: p.memory.peak)
+        raise ValueError(
+            f"plan: no layout of {config} with batch={batch}, seq={seq} fits {_size(cluster.memory_per_device)} "
+            f"per device on {cluster.name}: the smallest predicted peak is {_size(least.memory.peak)} "
+            f"({least.layout}). Give each device at least that much memory, more devices, or a smaller batch."
+        )
+    ranked = sorted(fitting, key=_rank)
+    if include_infeasible:
+        ranked += sorted((p for p in plans if not p.fits), key=_rank)
+    ranked = [dataclasses.replace(p, reason=_reason(p, i, ranked, cluster)) for i, p in enumerate(ranked)]
+    return ranked[:top] if top is not None else ranked
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GB:.2f} GB" if nbytes >= 1e7 else f"{int(nbytes):,} bytes"
+
+
+def _rank(p: Plan) -> tuple:
+    return (p.time.expected, p.time.no_overlap, p.memory.peak, str(p.layout))
+
+
+def price(
+    layout: Layout,
+    config: GPTConfig,
+    batch: int,
+    seq: int,
+    cluster: Cluster,
+    optimizer: optax.GradientTransformation,
+    dtype: Any,
+    vocab_size: int,
+    pad: int,
+) -> Plan | None:
+    """The [`eqxpar.plan.Plan`][] for one layout, or None when a divisibility rule rules it out."""
+    gpt = abstract_gpt(
+        config,
+        vocab_size,
+        remat=layout.remat,
+        sequence_parallel=layout.sequence_parallel,
+        attention_impl=layout.attention,
+        pad_vocab_to_multiple_of=pad,
+    )
+    if rule_out(layout, gpt, batch, seq) is not None:
+        return None
+    mesh = abstract_mesh(layout.sizes)
+    specs = layout_specs(gpt, mesh, layout)
+    comm = comm_theory(gpt, mesh, layout, specs, batch, seq)
+    mem = memory(gpt, mesh, layout, specs, optimizer, batch, seq, dtype, cluster.fused_attention)
+    flops = flops_per_device(gpt, layout, batch, seq)
+    time, _ = step_time(_in_dtype(comm, gpt, dtype), flops, layout, cluster, dtype)
+    return Plan(
+        layout=layout,
+        comm=comm,
+        memory=mem,
+        flops=flops,
+        time=time,
+        fits=mem.peak <= cluster.memory_per_device,
+        reason="",
+        config=config,
+        vocab_size=vocab_size,
+        batch_size=batch,
+        seq_len=seq,
+        dtype=dtype,
+        pad_vocab_to_multiple_of=pad,
+        optimizer=optimizer,
+    )
+
+
+def _in_dtype(comm: CommTheory, gpt: GPT, dtype: Any) -> CommTheory:
+    """The activation collectives (over `model` and `context`) carried in the compute dtype:
+    the theory counts the parameters' dtype; gradients and parameters keep it."""
+    ratio = np.dtype(dtype).itemsize / np.dtype(gpt.position_embedding.weight.dtype).itemsize
+    if ratio == 1:
+        return comm
+    terms = tuple(
+        dataclasses.replace(t, bytes=int(t.bytes * ratio)) if set(t.axes) & {"model", "context"} else t
+        for t in comm.terms
+    )
+    return CommTheory(terms)
+
+
+def _reason(p: Plan, index: int, ranked: list[Plan], cluster: Cluster) -> str:
+    t = p.time
+    _, classes = step_time(p.comm, p.flops, p.layout, cluster, p.dtype)
+    share = t.compute / t.expected if t.expected else 1.0
+    memory = f"peak {p.memory.peak / GB:.1f} of {cluster.memory_per_device / GB:.0f} GB"
+    if not p.fits:
+        return f"does not fit: {memory}"
+    if not classes or classes[0][0] == 0:
+        return f"no communication; compute is the step; {memory}"
+    seconds, kind, axes, nbytes, link = classes[0]
+    biggest = f"largest: {kind} over {','.join(axes)} {nbytes / GB:.2f} GB/step {link} ({seconds * 1e3:.1f} ms)"
+    lead = "compute-bound" if share >= 0.5 else "communication-bound"
+    if index and ranked[0].fits:
+        slower = t.expected / ranked[0].time.expected - 1
+        lead = f"{slower:+.0%} vs best, {lead}"
+    return f"{lead} ({share:.0%} compute); {biggest}; {memory}"
+
+
+def _no_layout(config, batch, seq, cluster, vocab_size, pad) -> str:
+    """The message for a batch (and sequence) no layout divides, naming the smallest batch
+    above `batch` that one would."""
+    candidates = []
+    for lay in layouts(cluster.devices):
+        if lay.remat == "block" and not lay.sequence_parallel and lay.attention in ("dot_product", "ring"):
+            gpt = abstract_gpt(
+                config,
+                vocab_size,
+                remat="block",
+                sequence_parallel=False,
+                attention_impl=lay.attention,
+                pad_vocab_to_multiple_of=pad,
+            )
+            candidates.append((lay, gpt))
+    for larger in range(batch + 1, batch * cluster.devices + cluster.devices + 1):
+        if any(rule_out(lay, gpt, larger, seq) is None for lay, gpt in candidates):
+            return (
+                f"plan: no layout of {cluster.devices} devices divides batch={batch} (seq={seq}) for {config}: the "
+                f"batch must split over data x fsdp, and the other devices over model (heads, MLP width, "
+                f"vocabulary) and context (the sequence, in 2 x context chunks). The smallest batch above it that a "
+                f"layout divides is {larger}."
+            )
+    return (
+        f"plan: no layout of {cluster.devices} devices fits {config} (heads, MLP width and vocabulary over model, "
+        f"seq={seq} over context): use a device count that divides them."
+    )
