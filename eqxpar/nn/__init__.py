@@ -27,6 +27,7 @@ from ._moe_router import MoEAux, update_router_bias
 from ._norm import gelu, layer_norm
 from ._parallelize import auto_plan, parallelize
 from ._plan import Plan, PlanRow
+from ._registry import register_style, unregister_style
 from ._ring_attention import (
     all_gather_attention,
     context_positions,
@@ -60,6 +61,8 @@ __all__ = [
     "auto_plan",
     "Plan",
     "PlanRow",
+    "register_style",
+    "unregister_style",
     "ring_attention",
     "all_gather_attention",
     "zigzag_order",

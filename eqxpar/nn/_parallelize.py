@@ -18,8 +18,22 @@ from jax.sharding import Mesh
 from ._base import TensorParallelLayer
 from ._convert import from_dense
 from ._coverage import check_coverage
-from ._plan import STYLES, Plan, PlanRow, describe, has_arrays, is_unit, path_text, resolve, stacked_weight, units, walk
+from ._plan import (
+    REGISTERED,
+    STYLES,
+    Plan,
+    PlanRow,
+    describe,
+    has_arrays,
+    is_unit,
+    path_text,
+    resolve,
+    stacked_weight,
+    units,
+    walk,
+)
 from ._plan_checks import check_not_inside_composite, check_pairs
+from ._registry import convert_registered
 
 __all__ = ["parallelize", "auto_plan"]
 
@@ -32,6 +46,9 @@ def _auto_style(node: Any) -> tuple[str, str]:
         return "kept", "already tensor-parallel: left as it is"
     if (stacked := _stacked_problem(node)) is not None:
         return "replicate", f"{stacked}: stays whole"
+    for name, registered in REGISTERED.items():  # a user's style first: its class may subclass ours
+        if registered.auto and isinstance(node, registered.takes):
+            return name, ""
     if isinstance(node, eqx.nn.MultiheadAttention):
         return "attention", ""
     if isinstance(node, eqx.nn.Embedding):
@@ -85,7 +102,7 @@ def _fit_problem(style: str, node: Any) -> str | None:
         "vocab": eqx.nn.Embedding,
         "mlp": eqx.nn.MLP,
         "attention": eqx.nn.MultiheadAttention,
-    }[style]
+    }.get(style) or REGISTERED[style].takes
     if not isinstance(node, wanted):
         return f"style {style!r} takes an {STYLES[style].takes}"
     if (stacked := _stacked_problem(node)) is not None:
@@ -103,6 +120,8 @@ def _fit_problem(style: str, node: Any) -> str | None:
 
 
 def _convert(style: str, node: Any, axis_name: str) -> TensorParallelLayer:
+    if style in REGISTERED:
+        return convert_registered(style, node, axis_name)
     if style in ("column", "column_gathered"):
         return from_dense(node, axis_name=axis_name, linear="column", gather_output=style == "column_gathered")
     if style == "row":
@@ -114,6 +133,8 @@ def _split_size(style: str, node: Any) -> tuple[str, int]:
     """What a split style divides (styles checked already: "replicate" and "kept" never get here)."""
     if style in ("column", "column_gathered"):
         return "out_features", node.out_features
+    if style in REGISTERED:
+        return REGISTERED[style].split, getattr(node, REGISTERED[style].split)
     return {
         "row": ("in_features", getattr(node, "in_features", 0)),
         "vocab": ("num_embeddings", getattr(node, "num_embeddings", 0)),

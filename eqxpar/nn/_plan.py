@@ -19,7 +19,7 @@ import jax
 
 from ._base import TensorParallelLayer
 
-__all__ = ["Plan", "PlanRow", "STYLES", "Style"]
+__all__ = ["Plan", "PlanRow", "STYLES", "Style", "REGISTERED", "Registered"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +50,22 @@ STYLES: dict[str, Style] = {
     "attention": Style("eqx.nn.MultiheadAttention", ("all-reduce",), ("all-reduce",), "heads split"),
     "replicate": Style("any layer", (), (), "a whole copy on every device"),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Registered:
+    """A style added with [`eqxpar.nn.register_style`][]: the layer class it takes, the
+    function that makes its tensor-parallel form, the attribute the model axis divides, and
+    whether the automatic plan uses it."""
+
+    takes: type
+    convert: Callable[[Any, str], TensorParallelLayer]
+    split: str
+    auto: bool
+
+
+# The registered styles by name (their `Style` rows are in STYLES too).
+REGISTERED: dict[str, Registered] = {}
 
 # Layers that `parallelize` treats as one unit (never looks inside unless a plan entry does).
 _UNIT_TYPES = (eqx.nn.Linear, eqx.nn.MLP, eqx.nn.MultiheadAttention, eqx.nn.Embedding, TensorParallelLayer)
@@ -82,7 +98,7 @@ def walk(tree: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
 def is_unit(node: Any) -> bool:
     """Whether `node` is a layer `parallelize` plans as a whole: the convertible layers, any
     other `equinox.nn` layer (norms, convolutions), and tensor-parallel layers."""
-    if isinstance(node, _UNIT_TYPES):
+    if isinstance(node, _UNIT_TYPES) or any(isinstance(node, r.takes) for r in REGISTERED.values()):
         return True
     return (
         isinstance(node, eqx.Module)
