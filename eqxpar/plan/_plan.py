@@ -115,8 +115,6 @@ def _optimizer(optimizer: Any) -> optax.GradientTransformation:
 
 
 def _check(config, batch, seq, vocab_size, top) -> None:
-    if not isinstance(config, GPTConfig):
-        raise ValueError(f"plan: config must be an eqxpar.models.GPTConfig, got {type(config).__name__}.")
     for name, value in (("batch", batch), ("seq", seq), ("vocab_size", vocab_size)):
         if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
             raise ValueError(f"plan: {name} must be a positive integer, got {value!r}.")
@@ -178,6 +176,11 @@ def plan(
       batch (naming the smallest batch that one would); if nothing fits in memory (naming
       the smallest memory per device that would do).
     """
+    if not isinstance(config, GPTConfig):
+        raise ValueError(
+            f"plan: config must be an eqxpar.models.GPTConfig (e.g. eqxpar.models.gpt_config('1.3b')), "
+            f"got {type(config).__name__}."
+        )
     seq = config.context if seq is None else seq
     _check(config, batch, seq, vocab_size, top)
     if isinstance(cluster, str):

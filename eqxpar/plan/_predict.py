@@ -134,11 +134,20 @@ def comm_theory(gpt: GPT, mesh: Mesh, layout: Layout, specs: Any, batch: int, se
     return theory
 
 
-def _block_bytes(tree: Any, specs: Any, sizes: dict[str, int], *, split_only: bool = False, dtype: Any = None) -> int:
-    """Bytes of one device's blocks of `tree`'s floating-point arrays laid out by `specs`
-    (with `split_only`, only those split over `fsdp`; with `dtype`, as if in that dtype)."""
+def _block_bytes(
+    tree: Any,
+    specs: Any,
+    sizes: dict[str, int],
+    *,
+    split_only: bool = False,
+    dtype: Any = None,
+    floating_only: bool = True,
+) -> int:
+    """Bytes of one device's blocks of `tree`'s floating-point arrays (every array with
+    `floating_only=False`: an optimizer's step counts too) laid out by `specs` (with
+    `split_only`, only those split over `fsdp`; with `dtype`, as if in that dtype)."""
     total = 0
-    for shape, itemsize, dims in _leaf_table(tree, specs):
+    for shape, itemsize, dims in _leaf_table(tree, specs, floating_only):
         if split_only and not any("fsdp" in axes for axes in dims):
             continue
         blocks = [size // math.prod(sizes[a] for a in axes) for size, axes in zip(shape, dims)]
@@ -146,18 +155,18 @@ def _block_bytes(tree: Any, specs: Any, sizes: dict[str, int], *, split_only: bo
     return total
 
 
-_LEAVES: dict[tuple[int, int], Any] = {}
+_LEAVES: dict[tuple[int, int, bool], Any] = {}
 
 
-def _leaf_table(tree: Any, specs: Any) -> list[tuple[tuple[int, ...], int, list[tuple[str, ...]]]]:
-    """(shape, itemsize, the axes splitting each dimension) of every floating-point leaf,
-    once per (tree, specs) pair."""
-    key = (id(tree), id(specs))
+def _leaf_table(tree: Any, specs: Any, floating_only: bool) -> list[tuple[tuple[int, ...], int, list[tuple[str, ...]]]]:
+    """(shape, itemsize, the axes splitting each dimension) of every floating-point leaf
+    (every array leaf without `floating_only`), once per (tree, specs) pair."""
+    key = (id(tree), id(specs), floating_only)
     if key not in _LEAVES:
         table = []
         spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
         for leaf, spec in zip(jax.tree.leaves(tree), spec_leaves, strict=True):
-            if not (hasattr(leaf, "dtype") and np.issubdtype(leaf.dtype, np.inexact)):
+            if not hasattr(leaf, "dtype") or (floating_only and not np.issubdtype(leaf.dtype, np.inexact)):
                 continue
             entries = tuple(spec) + (None,) * (len(leaf.shape) - len(spec))
             dims = [() if e is None else ((e,) if isinstance(e, str) else tuple(e)) for e in entries]
@@ -177,6 +186,9 @@ class Memory:
     optimizer_state: int
     saved_activations: int
     temporaries: int
+    saved_per_block: int = 0
+    """Of `saved_activations`, what one more block adds (exact for `block`/`save_matmuls`
+    outside FSDP: see [`eqxpar.models.gpt_activation_theory`][])."""
 
     @property
     def state(self) -> int:
@@ -202,21 +214,22 @@ def memory(
     sizes = layout.sizes
     params = _block_bytes(gpt, specs, sizes)
     opt_shapes, opt_specs = _optimizer_layout(gpt, optimizer, layout.fsdp, layout.model, specs)
-    opt = _block_bytes(opt_shapes, opt_specs, sizes)
+    opt = _block_bytes(opt_shapes, opt_specs, sizes, floating_only=False)
     context_axis = "context" if layout.context > 1 else None
     activations = gpt_activation_theory(
         gpt, mesh, batch, seq, batch_axis=batch_axes(layout), context_axis=context_axis, dtype=dtype
     )
-    saved = activations.total
+    saved, per_block = activations.total, activations.per_block
     if fused_attention and layout.remat == "none" and layout.attention == "dot_product":
         # A fused kernel (cuDNN's flash attention) keeps its float32 log-sum-exp per query,
         # not the probabilities the theory counts for XLA's attention.
         block = _attention(gpt)
         tokens = batch // layout.batch_shards * seq
-        probabilities = sum(t.total for t in activations.terms if t.what == "attention probabilities")
-        saved += gpt.num_layers * tokens * (block.num_heads // layout.model) * 4 - probabilities
+        probabilities = sum(t.nbytes for t in activations.terms if t.what == "attention probabilities")
+        per_block += tokens * (block.num_heads // layout.model) * 4 - probabilities
+        saved += gpt.num_layers * (tokens * (block.num_heads // layout.model) * 4 - probabilities)
     temporaries = _temporaries(gpt, layout, specs, params, activations, dtype, batch, seq)
-    return Memory(params, opt, saved, temporaries)
+    return Memory(params, opt, saved, temporaries, per_block)
 
 
 _OPTIMIZER: dict[tuple, Any] = {}

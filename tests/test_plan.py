@@ -1,0 +1,244 @@
+"""The layout planner from shapes alone: every plan obeys the library's divisibility rules
+and the memory limit; ranking is monotone in bandwidth, FLOP/s and memory; links follow the
+cluster's layout; bad input is a ValueError naming the fix; the calibration against the
+H200 measurements holds. Nothing here compiles (tests/test_plan_validate.py does)."""
+
+import dataclasses
+import json
+import pathlib
+
+import jax.numpy as jnp
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+import eqxpar.plan
+from eqxpar.models import GPTConfig, gpt_config
+from eqxpar.nn import zigzag_order
+from eqxpar.plan import Cluster, cluster, plan
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SMALL = GPTConfig(context=16, dim=32, heads=8, layers=2)
+VOCAB, PAD = 61, 8
+
+
+def cpu_cluster(devices=8, hosts=1, memory=1e9, **changes):
+    return Cluster(
+        devices_per_host=devices,
+        hosts=hosts,
+        memory_per_device=memory,
+        peak_flops={"float32": 1e12, "bfloat16": 4e12},
+        intra_host_bandwidth=1e11,
+        inter_host_bandwidth=1e10,
+        **changes,
+    )
+
+
+def small_plans(config=SMALL, *, batch=8, seq=None, machine=None, **kwargs):
+    kwargs = {"dtype": jnp.float32, "vocab_size": VOCAB, "pad_vocab_to_multiple_of": PAD, "top": None, **kwargs}
+    return plan(config, batch=batch, seq=seq, cluster=machine or cpu_cluster(), **kwargs)
+
+
+def test_plans_the_small_gpt_on_8_devices():
+    plans = small_plans()
+    layouts = {str(p.layout) for p in plans}
+    assert len(plans) == len(layouts) > 100  # every divisible layout, each once
+    # Every axis appears, alone and together; CP in both attentions; SP; all remats.
+    for text in (
+        "data=8 ",
+        "fsdp=8 ",
+        "model=8 ",
+        "context=8 ",
+        "data=2,fsdp=2,model=2 ",
+        " sp",
+        " ring",
+        " all_gather",
+    ):
+        assert any(text in name + " " for name in layouts), text
+    assert {p.layout.remat for p in plans} == set(eqxpar.plan.REMATS)
+    times = [p.time.expected for p in plans]
+    assert times == sorted(times)
+    for p in plans:
+        t = p.time
+        assert t.overlap <= t.expected * (1 + 1e-12) and t.expected <= t.no_overlap * (1 + 1e-12)
+        assert p.reason and p.fits
+    text = eqxpar.plan.table(plans[:3])
+    assert "step ms" in text and str(plans[0].layout) in text
+
+
+def _divides(p, batch, seq, config):
+    lay = p.layout
+    assert batch % (lay.data * lay.fsdp) == 0
+    assert seq % lay.context == 0
+    if lay.context > 1:
+        zigzag_order(seq, lay.context)  # raises unless 2 x context chunks
+        assert lay.attention in ("ring", "all_gather")
+    else:
+        assert lay.attention == "dot_product"
+    assert config.heads % lay.model == 0 and 4 * config.dim % lay.model == 0
+    assert (-(-VOCAB // PAD) * PAD) % lay.model == 0
+    if lay.sequence_parallel:
+        assert lay.model > 1 and (seq // lay.context) % lay.model == 0
+
+
+@example(heads=8, layers=2, batch=8, seq=16, devices=8, memory=1e9)
+@example(heads=6, layers=1, batch=6, seq=12, devices=4, memory=4e5)
+@given(
+    heads=st.sampled_from([2, 4, 6, 8]),
+    layers=st.integers(1, 3),
+    batch=st.integers(1, 24),
+    seq=st.sampled_from([4, 8, 12, 16]),
+    devices=st.sampled_from([1, 2, 4, 8, 16]),
+    memory=st.sampled_from([2e5, 4e5, 1e6, 1e9]),
+)
+def test_no_plan_breaks_a_divisibility_rule_or_the_memory_limit(heads, layers, batch, seq, devices, memory):
+    config = GPTConfig(context=16, dim=8 * heads, heads=heads, layers=layers)
+    machine = cpu_cluster(devices=min(devices, 8), hosts=max(1, devices // 8), memory=memory)
+    try:
+        plans = small_plans(config, batch=batch, seq=seq, machine=machine)
+    except ValueError as error:
+        assert "smallest" in str(error) or "device count" in str(error)
+        return
+    for p in plans:
+        _divides(p, batch, seq, config)
+        assert p.memory.peak <= memory
+        assert p.layout.data * p.layout.fsdp * p.layout.context * p.layout.model == devices
+
+
+@given(
+    factor=st.sampled_from([1.5, 2.0, 10.0]),
+    field=st.sampled_from(["intra_host_bandwidth", "inter_host_bandwidth", "peak_flops"]),
+    hosts=st.sampled_from([1, 2]),
+)
+def test_more_bandwidth_or_flops_never_makes_a_plan_slower(factor, field, hosts):
+    base = cpu_cluster(devices=4, hosts=hosts)
+    value = getattr(base, field)
+    faster = base.with_(
+        **{field: {k: v * factor for k, v in value.items()} if isinstance(value, dict) else value * factor}
+    )
+    before = {str(p.layout): p.time for p in small_plans(machine=base)}
+    after = {str(p.layout): p.time for p in small_plans(machine=faster)}
+    assert before.keys() == after.keys()
+    for name, t in after.items():
+        for bound in ("expected", "overlap", "no_overlap", "compute"):
+            assert getattr(t, bound) <= getattr(before[name], bound) * (1 + 1e-12), (name, bound)
+
+
+@given(memory=st.sampled_from([2e5, 3e5, 5e5, 1e6]), factor=st.sampled_from([1.25, 2.0, 8.0]))
+def test_more_memory_never_removes_a_feasible_plan(memory, factor):
+    def feasible(m):
+        try:
+            return {str(p.layout) for p in small_plans(machine=cpu_cluster(memory=m))}
+        except ValueError:
+            return set()
+
+    assert feasible(memory) <= feasible(memory * factor)
+
+
+def test_each_axis_crosses_the_link_its_layout_says():
+    machine = cluster("h100", hosts=4)  # 8 GPUs per host, 32 in all
+    sizes = {"data": 4, "fsdp": 1, "context": 1, "model": 8}
+    assert machine.link(("model",), sizes).name == "intra-host"
+    assert machine.link(("data",), sizes).name == "inter-host"
+    sizes = {"data": 2, "fsdp": 4, "context": 2, "model": 2}  # model x context x fsdp = 16 > 8
+    assert machine.link(("context",), sizes).name == "intra-host"
+    assert machine.link(("fsdp",), sizes).name == "inter-host"
+    assert machine.link(("context", "model"), sizes).name == "intra-host"
+    # Overridden: a data axis declared inter-host, a model axis intra-host.
+    custom = machine.with_(axis_links={"model": "inter"})
+    assert custom.link(("model",), sizes).name == "inter-host"
+    assert machine.with_(axis_links={"fsdp": "intra"}).link(("fsdp",), sizes).name == "intra-host"
+
+
+def test_a_plan_that_crosses_hosts_pays_the_slower_link():
+    """The same layout on one host of 8 and two hosts of 4: the data axis moves from NVLink
+    to InfiniBand figures and its gradient all-reduce gets slower by their ratio."""
+    one = {str(p.layout): p for p in small_plans(machine=cpu_cluster(devices=8, hosts=1))}
+    two = {str(p.layout): p for p in small_plans(machine=cpu_cluster(devices=4, hosts=2))}
+    name = "data=8 remat=none"
+    assert one[name].comm.traffic() == two[name].comm.traffic()
+    assert two[name].time.parameter_comm > 5 * one[name].time.parameter_comm
+    assert one[name].time.compute == two[name].time.compute
+
+
+def test_presets_and_their_sources():
+    for kind in eqxpar.plan.PRESETS:
+        machine = cluster(kind, hosts=2)
+        assert machine.devices == 2 * machine.devices_per_host and machine.flops(jnp.bfloat16) > 1e14
+    assert cluster("h100").memory_per_device == 80e9 and cluster("h200").memory_per_device == 141e9
+    source = (ROOT / "eqxpar" / "plan" / "_cluster.py").read_text()
+    for cited in ("datasheet", "NVLink", "InfiniBand", "ConnectX-7", "TPU v5p docs", "gpu_2026-11-26_h200.json"):
+        assert cited in source
+
+
+def test_bad_input_is_a_value_error_naming_the_fix():
+    with pytest.raises(ValueError, match="unknown device kind 'v100'"):
+        cluster("v100")
+    with pytest.raises(ValueError, match="unknown device kind"):
+        Cluster(8, 1, 80e9, "v100", 1e11, 1e10)
+    with pytest.raises(ValueError, match="smallest predicted peak is .* bytes"):
+        small_plans(machine=cpu_cluster(memory=1e4))
+    with pytest.raises(ValueError, match="smallest batch above it that a layout divides is 4"):
+        small_plans(GPTConfig(context=16, dim=48, heads=3, layers=2), batch=3, seq=8)
+    with pytest.raises(ValueError, match="config must be an eqxpar.models.GPTConfig"):
+        plan("1.3b", batch=8, cluster="h100")
+    with pytest.raises(ValueError, match="batch must be a positive integer"):
+        small_plans(batch=0)
+    with pytest.raises(ValueError, match="longer than the config's context"):
+        small_plans(seq=32)
+    with pytest.raises(ValueError, match="optimizer must be"):
+        small_plans(optimizer="lion")
+    with pytest.raises(ValueError, match="remats must be"):
+        small_plans(remats=("offload",))
+    with pytest.raises(ValueError, match="no peak FLOP/s for float16"):
+        small_plans(dtype=jnp.float16)
+    with pytest.raises(ValueError, match="devices_per_host must be a positive integer"):
+        cpu_cluster(devices=0)
+    with pytest.raises(ValueError, match="axis_links"):
+        cpu_cluster(axis_links={"data": "nvlink"})
+
+
+def test_plans_big_configs_from_shapes_alone():
+    # 1.3b on 8 and 64 H100s: nothing allocated (a 1.3B GPT and its AdamW state are 22 GB).
+    eight = plan(gpt_config("1.3b"), batch=64, cluster="h100", top=3)
+    sixty_four = plan(gpt_config("1.3b"), batch=512, cluster=cluster("h100", hosts=8), top=3)
+    for plans, devices in ((eight, 8), (sixty_four, 64)):
+        assert len(plans) == 3
+        for p in plans:
+            assert p.memory.peak <= 80e9
+            assert p.layout.data * p.layout.fsdp * p.layout.context * p.layout.model == devices
+    # An 8B-sized shape (Llama 3 8B's width and depth) plans too.
+    big = GPTConfig(context=4096, dim=4096, heads=32, layers=32)
+    plans = plan(big, batch=256, seq=4096, cluster=cluster("h100", hosts=8), top=2)
+    assert plans[0].memory.parameters < 8e9 * 4  # split: an 8B model's float32 weights do not fit one GPU
+
+
+def test_prediction_beside_the_h200_measurements():
+    """The single-device candidates of the H200 benchmark (bf16 compute, float32 master
+    weights and AdamW state, scanned layers, cuDNN attention): the predicted peak is within
+    7% of the measured one for all six, and the preset's efficiency is the 1.3b rows'."""
+    data = json.loads((ROOT / "docs/data/benchmarks/gpu_2026-11-26_h200.json").read_text())
+    rows = data["runs"]["flags without triton_gemm=false (shipped)"]["rows"]
+    one = cluster("h200", devices_per_host=1, efficiency=1.0)
+    efficiencies = {}
+    for r in rows:
+        (p,) = plan(
+            gpt_config(r["config"]),
+            batch=r["per_device"],
+            cluster=one,
+            remats=(r["remat"],),
+            top=None,
+            include_infeasible=True,
+        )
+        measured_peak = r["peak_memory_gb"] * 2**30  # benchmarks/gpu.py reports GiB
+        assert 0.97 < p.memory.peak / measured_peak < 1.07, (r, p.memory)
+        efficiencies[(r["config"], r["remat"], r["per_device"])] = p.time.compute / (r["step_ms"] / 1e3)
+    large = sorted(e for (config, *_), e in efficiencies.items() if config == "1.3b")
+    assert large[1] == pytest.approx(eqxpar.plan.cluster("h200").efficiency, abs=0.01)
+    assert all(0.3 < e < 0.7 for e in efficiencies.values())
+
+
+def test_a_plan_is_a_value():
+    (p,) = small_plans(top=1)
+    assert dataclasses.replace(p) == p
+    assert p.comm.bytes() >= 0 and p.flops > 0
