@@ -129,3 +129,34 @@ def test_batched_path_communicates_like_the_per_example_path():
     x = jnp.ones((2, 3, 5, 6))
     per_example = _collectives(attention, x, n, False)
     assert _collectives(attention, x, n, True) == per_example == [("all-reduce", 180)] * 2
+
+
+def test_mlp_activation_runs_on_the_hidden_block_as_it_is():
+    """The activation (one `vmap` per dimension) sees the hidden block's own shape, never a
+    flattened copy: on XLA:CPU a flat activation, fused into the weight gradient's
+    transpose in the backward pass, made the GPT's MLP backward twice as slow
+    (docs/benchmarks.md, 'Closing the one-device and FSDP gap')."""
+    mlp = nn.ParallelMLP(4, 4, 8, activation=nn.gelu, key=jax.random.key(0))
+    x = jnp.ones((2, 3, 4))
+
+    mesh = eqxpar.make_mesh(model=1)
+
+    def input_gradient(mlp, x):
+        return jax.grad(lambda x: jnp.sum(mlp(x)))(x)
+
+    specs = nn.partition_specs(mlp, mesh)
+    grad = eqxpar.filter_shard_map(input_gradient, mesh=mesh, in_specs=(specs, P()), out_specs=P())
+    placed = eqxpar.shard(mlp, mesh, specs)
+    jaxpr = jax.make_jaxpr(lambda x: grad(placed, x))(x)
+    shapes = set()
+
+    def visit(jaxpr):  # every equation's output shapes, inside custom_vjp and pjit bodies too
+        for eqn in jaxpr.eqns:
+            shapes.update(tuple(v.aval.shape) for v in eqn.outvars)
+            for param in eqn.params.values():
+                inner = getattr(param, "jaxpr", param)
+                if hasattr(inner, "eqns"):
+                    visit(inner)
+
+    visit(jaxpr.jaxpr)
+    assert (2, 3, 8) in shapes and (2 * 3 * 8,) not in shapes, sorted(shapes)

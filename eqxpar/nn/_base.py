@@ -146,8 +146,12 @@ def skeleton(cls, *args, **kwargs):
 
 def elementwise(fn, x: Array) -> Array:
     """`fn` applied to every element of `x` on its own (as `eqx.nn.MLP` applies activations,
-    one unit at a time), over any shape: one `vmap` over the flattened array."""
-    return jax.vmap(fn)(x.reshape(-1)).reshape(x.shape)
+    one unit at a time), over any shape: one `vmap` per dimension. (Not one `vmap` over the
+    flattened array: XLA:CPU then runs the activation's backward on the flat shape, fused
+    with the weight gradient's transpose, and an MLP's backward pass took twice as long.)"""
+    for _ in range(x.ndim):
+        fn = jax.vmap(fn)
+    return fn(x)
 
 
 def identity(x):
