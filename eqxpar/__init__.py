@@ -16,6 +16,7 @@ from . import (
 )
 from ._mesh import fit_mesh, make_mesh, parse_mesh, simulate_cpu_devices
 from ._shard_map import filter_shard_map
+from ._sharded_init import init_sharded
 from ._sharding import (
     ShardingReport,
     gather,
@@ -34,6 +35,7 @@ __all__ = [
     "simulate_cpu_devices",
     "filter_shard_map",
     "shard",
+    "init_sharded",
     "gather",
     "sharding_report",
     "ShardingReport",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import PyTree
 
@@ -31,7 +32,9 @@ def fsdp_specs(
 
     **Arguments:**
 
-    - `model`: the model in its global form (full-size arrays).
+    - `model`: the model in its global form (full-size arrays), or its abstract form
+      (`eqx.filter_eval_shape`: a `jax.ShapeDtypeStruct` per array; only shapes are read),
+      e.g. for [`eqxpar.init_sharded`][].
     - `mesh`: the mesh; it must have `batch_axis`.
     - `batch_axis`: the axis parameters, optimizer state and batch are split over.
     - `param_specs`: specs the parameters already have over other axes (e.g.
@@ -66,7 +69,7 @@ def fsdp_specs(
     base = broadcast_specs(param_specs, model, what="param_specs")
     out = []
     for leaf, spec, stacked in zip(leaves, base, _in_stack(model)):
-        if not eqx.is_inexact_array(leaf):
+        if not _is_float_array(leaf):
             out.append(PartitionSpec())
             continue
         validate_spec(spec, tuple(leaf.shape), mesh, where="param_specs")
@@ -81,6 +84,13 @@ def fsdp_specs(
             entries.pop()
         out.append(PartitionSpec(*entries))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _is_float_array(leaf) -> bool:
+    """A floating-point array, or the abstract shape of one."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return jnp.issubdtype(leaf.dtype, jnp.inexact)
+    return eqx.is_inexact_array(leaf)
 
 
 def _in_stack(model: PyTree) -> list[bool]:
