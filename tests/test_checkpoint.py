@@ -247,6 +247,23 @@ def test_keeps_the_last_k_and_saves_every_n(tmp_path):
         assert ckpt.restore(state).data_state == {"step": 10}
 
 
+def test_a_data_state_function_is_called_only_when_a_checkpoint_is_saved(tmp_path):
+    """`data_state` may be a function (the recipes' `RunLog.data_state`, which fetches the
+    losses from the device): called on the steps that save, never on the others."""
+    state = _layout(_state(0), eqxpar.make_mesh(data=8), None)
+    calls = []
+
+    def data_state():
+        calls.append(len(calls))
+        return {"calls": len(calls)}
+
+    with Checkpointer(tmp_path, save_every=3) as ckpt:
+        saved = [s for s in range(1, 8) if ckpt.maybe_save(s, state, data_state=data_state)]
+    assert saved == [3, 6] and calls == [0, 1]
+    with Checkpointer(tmp_path) as ckpt:
+        assert ckpt.restore(state).data_state == {"calls": 2}
+
+
 def test_resume_continues_bitwise_like_an_uninterrupted_run(tmp_path):
     """The in-process form of kill-and-resume: train 4 steps with checkpoints, stop, resume
     from the newest checkpoint in a new Checkpointer, train to 7: same bits as 7 straight."""
