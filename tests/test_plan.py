@@ -56,7 +56,7 @@ def test_plans_the_small_gpt_on_8_devices():
     ):
         assert any(text in name + " " for name in layouts), text
     assert {p.layout.remat for p in plans} == set(eqxpar.plan.REMATS)
-    times = [p.time.expected for p in plans]
+    times = [round(p.time.expected * 1e6) for p in plans]  # ranked by microseconds, then memory
     assert times == sorted(times)
     for p in plans:
         t = p.time

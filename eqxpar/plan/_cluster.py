@@ -46,6 +46,11 @@ class Cluster:
     - `fused_attention`: attention runs as a fused kernel (cuDNN's on NVIDIA GPUs, as
       `attention_impl="dot_product"` asks for in bfloat16), which keeps a log-sum-exp per
       query instead of the attention probabilities for the backward pass.
+    - `parameter_overlap`: the fraction of the gradient and parameter collectives' time
+      hidden behind compute, in [0, 1]. Default 0: eqxpar's steps sum the gradients in one
+      all-reduce after the backward pass, and `fsdp_step` (as plans build it, without
+      `units`) gathers the parameters before the forward pass, so by construction nothing
+      overlaps; a step that overlaps them would set it higher.
     - `name`: for tables and reasons.
 
     **Which link an axis crosses.** Mesh axes are laid out inner to outer in the order
@@ -68,6 +73,7 @@ class Cluster:
     inter_host_latency: float = 10e-6
     efficiency: float = 0.5
     fused_attention: bool = False
+    parameter_overlap: float = 0.0
     name: str = "cluster"
     axis_links: dict[str, str] = dataclasses.field(default_factory=dict)
 
@@ -86,6 +92,8 @@ class Cluster:
             value = getattr(self, field)
             if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
                 raise ValueError(f"Cluster: {field} must be a non-negative number, got {value!r}.")
+        if not (isinstance(self.parameter_overlap, (int, float)) and 0 <= self.parameter_overlap <= 1):
+            raise ValueError(f"Cluster: parameter_overlap must be in [0, 1], got {self.parameter_overlap!r}.")
         if not (isinstance(self.efficiency, (int, float)) and 0 < self.efficiency <= 1):
             raise ValueError(f"Cluster: efficiency must be in (0, 1], got {self.efficiency!r}.")
         for axis, link in self.axis_links.items():

@@ -222,7 +222,9 @@ def _size(nbytes: float) -> str:
 
 
 def _rank(p: Plan) -> tuple:
-    return (p.time.expected, p.time.no_overlap, p.memory.peak, str(p.layout))
+    # Microseconds: layouts whose times differ only by rounding tie, and the one with the
+    # smaller peak memory goes first.
+    return (round(p.time.expected * 1e6), round(p.time.no_overlap * 1e6), p.memory.peak, str(p.layout))
 
 
 def price(
@@ -298,7 +300,7 @@ def _reason(p: Plan, index: int, ranked: list[Plan], cluster: Cluster) -> str:
     lead = "compute-bound" if share >= 0.5 else "communication-bound"
     if index and ranked[0].fits:
         slower = t.expected / ranked[0].time.expected - 1
-        lead = f"{slower:+.0%} vs best, {lead}"
+        lead = f"ties the best, {lead}" if slower < 0.005 else f"{slower:+.0%} vs best, {lead}"
     return f"{lead} ({share:.0%} compute); {biggest}; {memory}"
 
 

@@ -40,9 +40,6 @@ RING_HOPS = {
     "all-to-all": lambda n: n - 1,
     "collective-permute": lambda n: 1,
 }
-# Axes whose collectives carry parameters and gradients (they can overlap the backward
-# pass); the others carry activations, which the next layer waits for.
-PARAMETER_AXES = ("data", "fsdp")
 
 
 def batch_axes(layout: Layout) -> tuple[str, ...]:
@@ -263,10 +260,11 @@ def _floating(gpt: GPT) -> Any:
 
 # The estimate of XLA's temporaries, calibrated on measured steps (docs/concepts/planner.md):
 # the gradients (one copy of this device's parameter blocks), the parameters cast to the
-# compute dtype when it differs, under FSDP the gathered parameters (the model-axis blocks,
-# in the parameters' dtype), one float32 buffer of the logits (this device's tokens times
-# its vocabulary block: the cross-entropy's working set) and the working set of the block
-# being computed, taken as WORKING_SET_BLOCKS blocks' saved activations.
+# compute dtype when it differs, under FSDP the gathered parameters and their gradient
+# before the reduce-scatter (the model-axis blocks, in the parameters' dtype), one float32
+# buffer of the logits (this device's tokens times its vocabulary block: the
+# cross-entropy's working set) and the working set of the block being computed, taken as
+# WORKING_SET_BLOCKS blocks' saved activations.
 WORKING_SET_BLOCKS = 2
 
 
@@ -279,7 +277,8 @@ def _temporaries(
     if np.dtype(dtype) != np.dtype(param_dtype):
         total += _block_bytes(gpt, specs, sizes, dtype=dtype)
     if layout.fsdp > 1:
-        total += _block_bytes(gpt, specs, {**sizes, "fsdp": 1})
+        # The gathered parameters, and their gradient whole before its reduce-scatter.
+        total += 2 * _block_bytes(gpt, specs, {**sizes, "fsdp": 1}) - params
     tokens = batch // layout.batch_shards * (seq // layout.context)
     total += tokens * (gpt.padded_vocab_size // layout.model) * 4
     total += WORKING_SET_BLOCKS * activations.per_block
@@ -318,18 +317,29 @@ def _flops_per_token(gpt: GPT, seq: int) -> tuple[int, int, int, int]:
 
 @dataclasses.dataclass(frozen=True)
 class StepTime:
-    """A roofline step time in seconds: `compute` (FLOPs / (peak x efficiency)),
-    `communication` per link name (ring bytes / bandwidth + hops x latency, summed over
-    the collectives on it), and the bounds: `no_overlap` (all of it in sequence) and
-    `overlap` (the largest of compute and each link's traffic, as if everything
-    overlapped perfectly). `expected`: activation collectives (model and context axes)
-    exposed, parameter and gradient collectives (data and fsdp axes) hidden behind the
-    compute up to its length."""
+    """A roofline step time in seconds.
+
+    - `compute`: FLOPs / (peak x efficiency).
+    - `activation_comm`: the collectives the next layer waits for (everything over `model`;
+      the context-parallel attention's permutes, gathers and scatters over `context`), by
+      ring bytes / bandwidth of the slowest link crossed + hops x latency.
+    - `parameter_comm`: the gradient and parameter collectives (all-reduces over the batch
+      axes, FSDP's gathers and scatters over `fsdp`), the same way.
+    - `by_link`: communication seconds per link name.
+    - `parameter_overlap`: the fraction of `parameter_comm` assumed hidden behind compute
+      (the cluster's; 0 by default, see [`eqxpar.plan.Cluster`][]).
+
+    The bounds: `no_overlap` (everything in sequence) and `overlap` (the largest of compute
+    and each link's traffic, as if everything overlapped perfectly); `expected` (the
+    ranking figure): compute, the activation collectives, and the parameter collectives
+    less the hidden fraction.
+    """
 
     compute: float
     activation_comm: float
     parameter_comm: float
     by_link: dict[str, float]
+    parameter_overlap: float = 0.0
 
     @property
     def no_overlap(self) -> float:
@@ -341,7 +351,19 @@ class StepTime:
 
     @property
     def expected(self) -> float:
-        return self.compute + self.activation_comm + max(0.0, self.parameter_comm - self.compute)
+        hidden = min(self.parameter_overlap * self.parameter_comm, self.compute)
+        return self.compute + self.activation_comm + self.parameter_comm - hidden
+
+
+def is_parameter_collective(kind: str, axes: tuple[str, ...]) -> bool:
+    """Whether a (kind, axes) class carries gradients or parameters (rather than
+    activations): all-reduces over batch axes only (data, fsdp, context: gradient sums and
+    the loss), and FSDP's gathers and scatters over `fsdp` alone."""
+    if "model" in axes:
+        return False
+    if kind == "all-reduce":
+        return True
+    return kind in ("all-gather", "reduce-scatter") and tuple(axes) == ("fsdp",)
 
 
 def collective_seconds(kind: str, axes: tuple[str, ...], nbytes: int, sizes: dict[str, int], link: Link) -> float:
@@ -366,9 +388,9 @@ def step_time(
         link = cluster.link(axes, sizes)
         classes.append((collective_seconds(kind, axes, nbytes, sizes, link), kind, axes, nbytes, link.name))
     classes.sort(reverse=True)
-    activation = sum(s for s, _, axes, _, _ in classes if not set(axes) <= set(PARAMETER_AXES))
-    parameter = sum(s for s, _, axes, _, _ in classes if set(axes) <= set(PARAMETER_AXES))
+    activation = sum(s for s, kind, axes, _, _ in classes if not is_parameter_collective(kind, axes))
+    parameter = sum(s for s, kind, axes, _, _ in classes if is_parameter_collective(kind, axes))
     by_link: dict[str, float] = {}
     for s, _, _, _, name in classes:
         by_link[name] = by_link.get(name, 0.0) + s
-    return StepTime(compute, activation, parameter, by_link), classes
+    return StepTime(compute, activation, parameter, by_link, cluster.parameter_overlap), classes
