@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _budget import examples
 from hypothesis import example, given
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
@@ -60,10 +61,10 @@ def train(grad_fn, layer, x, cotangent, balance_weight, z_weight):
 
 
 def expert_parallel(layer, mesh):
-    """`losses_and_grads` over `mesh`: the layer's experts split over `expert`, the groups
-    over every axis of the mesh."""
+    """`losses_and_grads` over `mesh`: the layer's experts split over `expert` (and their
+    hidden units over `model`, if the mesh has it), the groups over every other axis."""
     specs = nn.partition_specs(layer, mesh)
-    batch = P(tuple(mesh.axis_names))
+    batch = P(tuple(a for a in mesh.axis_names if a != "model"))
     mapped = eqxpar.filter_shard_map(
         losses_and_grads,
         mesh=mesh,
@@ -139,7 +140,19 @@ def test_expert_parallel_equals_one_device_at_larger_sizes(sizes, experts, top_k
 
 
 def check_parity(
-    sizes, experts, groups, top_k, capacity_factor, score, seed, *, tokens=TOKENS, dim=DIM, hidden=HIDDEN, atol=F32_ATOL
+    sizes,
+    experts,
+    groups,
+    top_k,
+    capacity_factor,
+    score,
+    seed,
+    *,
+    tokens=TOKENS,
+    dim=DIM,
+    hidden=HIDDEN,
+    atol=F32_ATOL,
+    model_axis=None,
 ):
     """Outputs, aux (counts exactly), gradients and parameters after two steps: parallel == one device."""
     mesh = eqxpar.make_mesh(**sizes)
@@ -154,6 +167,7 @@ def check_parity(
         score=score,
         normalize_weights=seed % 3 == 0,
         capacity_factor=capacity_factor,
+        model_axis=model_axis,
     )
     x = rng.normal(size=(groups, tokens, dim)).astype(np.float32)
     cotangent = rng.normal(size=x.shape).astype(np.float32)
@@ -176,6 +190,23 @@ def check_parity(
     assert_trees_close(arrays(trained), arrays(want_trained), what="after 2 steps" + what, atol=atol)
     if capacity_factor is not None and capacity_factor < 1 and top_k > 1:
         assert int(np.sum(want_aux.dropped)) > 0  # the drop path was taken
+
+
+@examples(2)  # and the two pins: the model axis adds a psum each way to the same exchange
+@given(
+    sizes=mesh_sizes(("data", "expert", "model")).filter(lambda s: s["model"] > 1 and s["data"] <= 2),
+    top_k=st.sampled_from([1, 2]),
+    capacity_factor=st.sampled_from([0.5, None]),
+    seed=st.integers(0, 2**16),
+)
+@example(sizes={"data": 2, "expert": 2, "model": 2}, top_k=2, capacity_factor=0.5, seed=1)
+@example(sizes={"data": 1, "expert": 2, "model": 4}, top_k=2, capacity_factor=None, seed=2)
+def test_experts_hidden_split_over_model_equals_one_device(sizes, top_k, capacity_factor, seed):
+    """Tensor parallelism inside the experts: each expert's hidden units split over `model`
+    (the tokens the same on every model device), its output summed by a psum."""
+    experts = 2 * sizes["expert"]
+    groups = sizes["data"] * sizes["expert"]
+    check_parity(sizes, experts, groups, top_k, capacity_factor, "softmax", seed, model_axis="model")
 
 
 @functools.cache

@@ -14,6 +14,11 @@ each device packs an `(E, G, C, dim)` buffer, one block per expert:
   for the experts' weight gradients) and the inputs' cotangents come back (needed only when
   the layer's input has a gradient: skipped when the input is data).
 
+With the experts' hidden units split over a model axis too (`model_axis=`), every model
+device exchanges the same buffers over its own expert axis: the same bytes per device, and
+the model axis's psums (of the output forward, of the input's gradient backward) on top,
+which this theory leaves out.
+
 Bytes convention of [`eqxpar.inspect`][]: for an all-to-all, the array sent.
 """
 

@@ -26,10 +26,17 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._shard_map import varying_axes
-from ._base import TensorParallelLayer, local_block
-from ._moe_dispatch import capacity_slots, combine, dispatch, expert_capacity, ragged_experts, swiglu
+from ._base import TensorParallelLayer, local_block, to_varying
+from ._moe_dispatch import (
+    capacity_slots,
+    check_moe_options,
+    combine,
+    dispatch,
+    expert_capacity,
+    ragged_experts,
+    swiglu,
+)
 from ._moe_router import (
-    SCORE_FUNCTIONS,
     MoEAux,
     choose_experts,
     load_balance_loss,
@@ -39,34 +46,6 @@ from ._moe_router import (
 )
 
 __all__ = ["MixtureOfExperts"]
-
-DROPLESS_IMPLS = ("ragged_dot", "dense")
-
-
-def _check_options(dim, hidden_size, num_experts, top_k, score, capacity_factor, dropless_impl) -> None:
-    who = "MixtureOfExperts"
-    for name, value in (("dim", dim), ("hidden_size", hidden_size), ("num_experts", num_experts)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{who}: {name} must be a positive integer, got {value!r}.")
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= num_experts:
-        raise ValueError(
-            f"{who}: top_k={top_k!r}, but each token chooses between 1 and num_experts={num_experts} "
-            f"experts; choose top_k in 1..{num_experts} (or more experts)."
-        )
-    if score not in SCORE_FUNCTIONS:
-        raise ValueError(f"{who}: score must be one of {SCORE_FUNCTIONS}, got {score!r}.")
-    if capacity_factor is not None and (
-        isinstance(capacity_factor, bool)
-        or not isinstance(capacity_factor, (int, float))
-        or not math.isfinite(capacity_factor)
-        or capacity_factor <= 0
-    ):
-        raise ValueError(
-            f"{who}: capacity_factor={capacity_factor!r}; it must be a positive finite number (1.0 gives "
-            f"each expert exactly its share of the tokens, 1.25 is usual), or None for the dropless path."
-        )
-    if dropless_impl not in DROPLESS_IMPLS:
-        raise ValueError(f"{who}: dropless_impl must be one of {DROPLESS_IMPLS}, got {dropless_impl!r}.")
 
 
 class MixtureOfExperts(TensorParallelLayer):
@@ -127,6 +106,7 @@ class MixtureOfExperts(TensorParallelLayer):
     capacity_factor: float | None = eqx.field(static=True)
     dropless_impl: str = eqx.field(static=True)
     axis_name: str = eqx.field(static=True)
+    model_axis: str | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -142,6 +122,7 @@ class MixtureOfExperts(TensorParallelLayer):
         dropless_impl: str = "ragged_dot",
         dtype=None,
         axis_name: str = "expert",
+        model_axis: str | None = None,
         key: PRNGKeyArray,
     ):
         """**Arguments:**
@@ -158,6 +139,9 @@ class MixtureOfExperts(TensorParallelLayer):
         - `dropless_impl`: the one-device dropless path, `"ragged_dot"` or `"dense"`.
         - `dtype`: the parameters' dtype (default float32). The router computes in float32.
         - `axis_name`: the mesh axis the experts are split over.
+        - `model_axis`: a mesh axis to split every expert's hidden units over as well
+          (tensor parallelism inside the experts, Megatron-style: `gate`/`up` by columns,
+          `down` by rows, one `psum` of the output), or None.
         - `key`: the initialisation key. The router is initialised as `eqx.nn.Linear`; the
           experts' weights uniformly in `+-1/sqrt(fan_in)`, as `eqx.nn.Linear` does.
 
@@ -167,7 +151,7 @@ class MixtureOfExperts(TensorParallelLayer):
           `1..num_experts`, a `capacity_factor` that is not a positive finite number (or
           None), or an unknown `score` or `dropless_impl`.
         """
-        _check_options(dim, hidden_size, num_experts, top_k, score, capacity_factor, dropless_impl)
+        check_moe_options(dim, hidden_size, num_experts, top_k, score, capacity_factor, dropless_impl)
         dtype = jnp.float32 if dtype is None else dtype
         router_key, gate_key, up_key, down_key = jax.random.split(key, 4)
         self.router = eqx.nn.Linear(dim, num_experts, use_bias=False, dtype=dtype, key=router_key)
@@ -189,13 +173,16 @@ class MixtureOfExperts(TensorParallelLayer):
         self.capacity_factor = capacity_factor
         self.dropless_impl = dropless_impl
         self.axis_name = axis_name
+        self.model_axis = model_axis
 
     def specs(self) -> MixtureOfExperts:
-        """`gate`, `up`, `down`: `P(axis_name, None, None)` (split by expert); the router
-        and the selection bias: `P()` (replicated)."""
-        split = PartitionSpec(self.axis_name, None, None)
+        """`gate`, `up`, `down`: `P(axis_name, None, None)` (split by expert; with
+        `model_axis`, also `gate`/`up` by hidden columns and `down` by hidden rows); the
+        router and the selection bias: `P()` (replicated)."""
+        columns = PartitionSpec(self.axis_name, None, self.model_axis)
+        rows = PartitionSpec(self.axis_name, self.model_axis, None)
         specs = jax.tree.map(lambda _: PartitionSpec(), self)
-        return eqx.tree_at(lambda m: (m.gate, m.up, m.down), specs, (split, split, split))
+        return eqx.tree_at(lambda m: (m.gate, m.up, m.down), specs, (columns, columns, rows))
 
     def to_dense(self) -> MixtureOfExperts:
         """The layer itself: Equinox has no mixture of experts, and the global form is the
@@ -300,8 +287,24 @@ class MixtureOfExperts(TensorParallelLayer):
             )
             return y.reshape(x.shape), aux
 
+    def _split_hidden_over(self) -> str | None:
+        """The model axis the experts' hidden units are split over here (bound, checked), or None."""
+        if self.model_axis is None:
+            return None
+        try:
+            size = jax.lax.axis_size(self.model_axis)
+        except NameError:
+            return None
+        if self.hidden_size % size:
+            raise ValueError(
+                f"MixtureOfExperts: hidden_size={self.hidden_size} is not divisible by the size {size} of "
+                f"the model axis {self.model_axis!r}; choose a multiple of {size}, or model_axis=None."
+            )
+        return self.model_axis
+
     def _route_and_run(self, xg: Array, n: int) -> tuple[Array, Array, Array, Array, Array]:
         """(output, balance loss, z-loss, tokens per expert, dropped) of `(groups, tokens, dim)`."""
+        model = self._split_hidden_over()
         w_router = self.router.weight.astype(jnp.float32)
         logits = jnp.einsum("gtd,ed->gte", xg.astype(jnp.float32), w_router)
         scores = jax.vmap(router_scores, in_axes=(0, None))(logits, self.score)
@@ -311,9 +314,12 @@ class MixtureOfExperts(TensorParallelLayer):
         counts = jax.vmap(tokens_per_expert, in_axes=(0, None))(experts, self.num_experts)
         balance = jax.vmap(load_balance_loss, in_axes=(0, 0, None))(scores, counts, self.top_k)
         z_loss = jax.vmap(router_z_loss)(logits)
+        # With the hidden units split over the model axis, the experts' input is marked as
+        # varying there: its gradient's blocks are added up by a psum over the model axis.
+        x_in = xg if model is None else to_varying(xg, model)
         if self.capacity_factor is None and n == 1 and self.dropless_impl == "ragged_dot":
             flat = ragged_experts(
-                xg.reshape(-1, self.dim),
+                x_in.reshape(-1, self.dim),
                 experts.reshape(-1, self.top_k),
                 weights.reshape(-1, self.top_k),
                 self.gate,
@@ -323,7 +329,10 @@ class MixtureOfExperts(TensorParallelLayer):
             y = flat.reshape(xg.shape)
             dropped = jnp.zeros(xg.shape[:1], jnp.int32)
         else:
-            y, dropped = self._through_buffers(xg, experts, weights, n)
+            y, dropped = self._through_buffers(x_in, experts, weights, n)
+        if model is not None:
+            # Each model device's hidden block gave a partial output: one all-reduce adds them up.
+            y = jax.lax.psum(y, model)
         return y, balance, z_loss, counts, dropped
 
     def _through_buffers(self, xg: Array, experts: Array, weights: Array, n: int) -> tuple[Array, Array]:

@@ -14,6 +14,8 @@ experts' outputs back and sums each token's weighted choices.
 sorted by expert (stable: ties in the priority order above) and each expert's SwiGLU runs
 on its contiguous rows with `jax.lax.ragged_dot` (group sizes: the tokens per expert);
 the rows are then put back in order and combined. No buffer, no padding, no wasted FLOPs.
+
+Also here: `expert_capacity` (the slots formula) and the layer's option checks.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 __all__ = ["expert_capacity"]
+
+DROPLESS_IMPLS = ("ragged_dot", "dense")
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
 def expert_capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float | None) -> int:
@@ -148,3 +153,30 @@ def ragged_experts(
     out = jnp.zeros_like(out).at[order].set(out)  # back to priority order
     scale = choice_major(weights).astype(out.dtype)
     return jnp.sum((out * scale[:, None]).reshape(k, tokens, -1), axis=0)
+
+
+def check_moe_options(dim, hidden_size, num_experts, top_k, score, capacity_factor, dropless_impl) -> None:
+    """The MixtureOfExperts constructor's checks: a `ValueError` naming the option and the fix."""
+    who = "MixtureOfExperts"
+    for name, value in (("dim", dim), ("hidden_size", hidden_size), ("num_experts", num_experts)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{who}: {name} must be a positive integer, got {value!r}.")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= num_experts:
+        raise ValueError(
+            f"{who}: top_k={top_k!r}, but each token chooses between 1 and num_experts={num_experts} "
+            f"experts; choose top_k in 1..{num_experts} (or more experts)."
+        )
+    if score not in SCORE_FUNCTIONS:
+        raise ValueError(f"{who}: score must be one of {SCORE_FUNCTIONS}, got {score!r}.")
+    if capacity_factor is not None and (
+        isinstance(capacity_factor, bool)
+        or not isinstance(capacity_factor, (int, float))
+        or not math.isfinite(capacity_factor)
+        or capacity_factor <= 0
+    ):
+        raise ValueError(
+            f"{who}: capacity_factor={capacity_factor!r}; it must be a positive finite number (1.0 gives "
+            f"each expert exactly its share of the tokens, 1.25 is usual), or None for the dropless path."
+        )
+    if dropless_impl not in DROPLESS_IMPLS:
+        raise ValueError(f"{who}: dropless_impl must be one of {DROPLESS_IMPLS}, got {dropless_impl!r}.")

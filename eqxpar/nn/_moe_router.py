@@ -30,8 +30,6 @@ from jaxtyping import Array, Float, Int
 
 __all__ = ["MoEAux", "update_router_bias"]
 
-SCORE_FUNCTIONS = ("softmax", "sigmoid")
-
 
 class MoEAux(eqx.Module):
     """What a [`eqxpar.nn.MixtureOfExperts`][] call reports beside its output, one value per
