@@ -21,6 +21,8 @@ runs (the model states how it is pipelined; `eqxpar.train` names no model).
 rotary embeddings, grouped-query attention, SwiGLU, optional tied embeddings), its fields
 named as Hugging Face's `LlamaForCausalLM`, with shapes from a CPU demo to Llama-3-8B's
 ([`eqxpar.models.llama_config`][]); train it with [`eqxpar.models.llama_loss`][].
+[`eqxpar.models.load_hf`][] loads a Hugging Face Llama checkpoint straight into its shards
+on a mesh and [`eqxpar.models.save_hf`][] writes one back.
 """
 
 from ._block import REMAT_CHOICES, TransformerBlock, remat_wrapper, sequence_dropout
@@ -29,6 +31,8 @@ from ._configs import GPT_CONFIGS, GPTConfig, gpt_config
 from ._flops import gpt_flops_per_token, gpt_matmul_params
 from ._generate import generate, whole_logits
 from ._gpt import GPT, next_token_loss, stack_blocks, unstack_blocks
+from ._hf import load_hf
+from ._hf_save import save_hf
 from ._llama import Llama, llama_flops_per_token, llama_loss, llama_matmul_params
 from ._llama_config import LLAMA_CONFIGS, LlamaConfig, LlamaRopeScaling, llama_config
 from ._llama_layers import LlamaAttention, LlamaBlock, LlamaMLP, RMSNorm, apply_rotary, rope_frequencies
@@ -70,4 +74,6 @@ __all__ = [
     "rope_frequencies",
     "apply_rotary",
     "llama_tensor_parallel_theory",
+    "load_hf",
+    "save_hf",
 ]
