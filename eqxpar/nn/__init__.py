@@ -16,6 +16,7 @@ y = forward(eqxpar.shard(mlp, mesh, specs), x)  # equals eqx.nn.MLP's output
 """
 
 from ._attention import ParallelMultiheadAttention
+from ._attention_kernels import fused_attention
 from ._base import TensorParallelLayer
 from ._convert import from_dense, partition_specs, to_dense
 from ._embedding import VocabParallelEmbedding, vocab_parallel_cross_entropy
@@ -51,6 +52,7 @@ __all__ = [
     "update_router_bias",
     "expert_capacity",
     "ParallelMultiheadAttention",
+    "fused_attention",
     "VocabParallelEmbedding",
     "vocab_parallel_cross_entropy",
     "StackedLayers",

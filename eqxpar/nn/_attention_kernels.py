@@ -54,13 +54,28 @@ def cudnn_applies(q, k, v, mask) -> bool:
     )
 
 
-def fused_attention(q, k, v, mask, *, causal: bool):
-    """`jax.nn.dot_product_attention` on the shapes of `reference_attention`, without
-    dropout: cuDNN's fused kernel where [`cudnn_applies`] (JAX's own default would pick
-    XLA's unfused softmax even on a GPU), XLA otherwise, or if cuDNN refuses the shapes."""
+def fused_attention(q, k, v, mask=None, *, causal: bool):
+    """Scaled dot-product attention without dropout, by `jax.nn.dot_product_attention`:
+    cuDNN's fused (flash) kernel on a GPU where it applies (JAX's own default would pick
+    XLA's unfused softmax even there), XLA otherwise, or if cuDNN refuses the shapes.
+
+    **Arguments:**
+
+    - `q`: `(*batch, q_seq, heads, head_dim)`.
+    - `k`, `v`: `(*batch, kv_seq, kv_heads, head_dim)`; `kv_heads` may divide `heads`
+      (grouped-query attention: query head `h` reads key/value head
+      `h // (heads // kv_heads)`, as Hugging Face's `repeat_kv`).
+    - `mask`: `None`, or broadcastable to `(*batch, heads, q_seq, kv_seq)` (True: attend).
+    - `causal`: each query attends to keys at its own position and before, the last query
+      aligned with the last key.
+
+    **Returns:**
+
+    `(*batch, q_seq, heads, head_dim)`.
+    """
     lead, (q_seq, heads, dim), kv_seq = q.shape[:-3], q.shape[-3:], k.shape[-3]
     batch = math.prod(lead)
-    q4, k4, v4 = (t.reshape(batch, t.shape[-3], heads, t.shape[-1]) for t in (q, k, v))
+    q4, k4, v4 = (t.reshape(batch, *t.shape[-3:]) for t in (q, k, v))
     if causal and q_seq != kv_seq:  # the kernel aligns its causal mask top-left; ours ends bottom-right
         causal_mask = jnp.tril(jnp.ones((q_seq, kv_seq), bool), k=kv_seq - q_seq)
         mask = causal_mask if mask is None else mask & causal_mask
