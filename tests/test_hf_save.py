@@ -316,3 +316,11 @@ def test_without_safetensors_the_error_is_the_install_line(checkpoint, monkeypat
         ImportError, match=r'eqxpar needs safetensors for eqxpar.models.load_hf: pip install "eqxpar\[hf\]"'
     ):
         load_hf(checkpoint[1], eqxpar.make_mesh(model=1))
+
+
+def test_save_imports_the_safetensors_module_it_uses(monkeypatch, tmp_path):
+    """safetensors.numpy is a submodule `import safetensors` does not load: save_hf imports it."""
+    monkeypatch.delitem(sys.modules, "safetensors.numpy")
+    monkeypatch.delattr(safetensors, "numpy")
+    out = save_hf(Llama(llama_config("tiny", num_layers=1), key=jax.random.key(0)), tmp_path / "out")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]

@@ -31,9 +31,10 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
-def safetensors_module(who: str):
-    """The `safetensors` package, or the one-line install hint (`pip install "eqxpar[hf]"`)."""
-    return require("safetensors", package="safetensors", extra="hf", purpose=who)
+def safetensors_module(who: str, module: str = "safetensors"):
+    """`safetensors` (or its `module`, e.g. `"safetensors.numpy"`), or the one-line install
+    hint (`pip install "eqxpar[hf]"`)."""
+    return require(module, package="safetensors", extra="hf", purpose=who)
 
 
 def hf_tensor_names(model: Llama) -> list[tuple[tuple[str, ...], bool]]:

@@ -104,7 +104,7 @@ def save_hf(model: Llama, path: str | os.PathLike, *, dtype: Any = None, max_sha
             f"save_hf: {str(folder)!r} already holds {existing}; eqxpar does not replace files it did not "
             f"write. Save to a new folder (or move those files away yourself)."
         )
-    safetensors_numpy = safetensors_module("eqxpar.models.save_hf").numpy
+    safetensors_numpy = safetensors_module("eqxpar.models.save_hf", "safetensors.numpy")
 
     # The plan, from shapes alone: every Hugging Face tensor, in order, cut into shards.
     tensors = []  # (name, leaf index, layer index or None, bytes)
