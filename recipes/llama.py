@@ -1,0 +1,232 @@
+"""Train a Llama-style model on any mesh, start from a Hugging Face checkpoint, export one.
+
+What it shows: `eqxpar.models.Llama` (RMSNorm, rotary embeddings, grouped-query attention,
+SwiGLU; Hugging Face's field names) trained on Python's own source code, character by
+character. Its axes: `data` splits the batch, `model` the heads, key/value heads, MLP units
+and vocabulary (tensor parallelism), and an optional `fsdp` axis splits every parameter and
+its optimizer state as well (FSDP x TP). The model is created directly in its shards
+(`eqxpar.init_sharded`: no device ever holds all of it), or, with `--from-hf DIR`, loaded
+from a Hugging Face `LlamaForCausalLM` folder straight into them (`eqxpar.models.load_hf`:
+each device reads only its slice of each tensor). `--export-hf DIR` writes the trained
+model as such a folder (`eqxpar.models.save_hf`), which transformers (and `--from-hf`) read.
+
+Run it (8 simulated CPU devices when there is no accelerator):
+
+    python recipes/llama.py                                  # data=2, model=4
+    python recipes/llama.py --mesh fsdp=2,model=4            # FSDP x tensor parallel
+    python recipes/llama.py --devices 1                      # one device: the same losses
+    python recipes/llama.py --export-hf /tmp/llama-hf        # train, then write a HF folder
+    python recipes/llama.py --from-hf /tmp/llama-hf --mesh fsdp=8 --steps 50   # fine-tune it
+    python recipes/llama.py --checkpoint-dir /tmp/llama --checkpoint-every 100 --resume
+
+Every mesh trains the same model on the same batches: the same seed gives the same losses
+on any mesh (up to float rounding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+import eqxpar
+import eqxpar.nn
+import eqxpar.recipe
+from eqxpar.datasets import python_source_text, text_windows
+from eqxpar.models import Llama, LlamaConfig, llama_flops_per_token, llama_loss, load_hf, save_hf
+from eqxpar.train import fsdp_specs, fsdp_step, hybrid_step
+
+AXES = ("data", "fsdp", "model")
+
+
+@dataclasses.dataclass
+class Config(eqxpar.recipe.CheckpointFlags, eqxpar.recipe.LogFlags):  # + their flags
+    devices: int = 8  # simulated CPU devices when there is no accelerator
+    mesh: str = "auto"  # axes data (batch), fsdp (parameters and batch), model (heads); e.g. fsdp=2,model=4
+    steps: int = 300  # training steps
+    batch_size: int = 16  # the global batch: sequences per step, over all replicas
+    context: int = 64  # characters the model sees
+    dim: int = 64  # the model's width (hidden_size); with --from-hf the checkpoint's shape is used
+    heads: int = 8  # query heads (the model axis size must divide --kv-heads)
+    kv_heads: int = 4  # key/value heads (grouped-query attention: --heads a multiple of it)
+    hidden_dim: int = 192  # the SwiGLU MLP's width (intermediate_size)
+    layers: int = 2  # transformer blocks
+    scan_layers: bool = False  # stack the blocks and run them with jax.lax.scan (one compiled block at any depth)
+    learning_rate: float = 3e-3  # AdamW step size
+    seed: int = 0  # seeds the weights and the batches
+    from_hf: str | None = None  # start from this Hugging Face Llama folder (its config.json sets the shape)
+    export_hf: str | None = None  # write the trained model here as a Hugging Face folder (a new folder)
+    metrics_out: str | None = None  # write the results as JSON here
+    eval_every: int = 0  # held-out loss every N steps (printed, and in --log-dir); 0: only at the end
+
+
+def check_flags(cfg: Config) -> Config:
+    """Every check of the flags, before anything compiles; returns `cfg` with its mesh chosen."""
+    eqxpar.simulate_cpu_devices(cfg.devices)  # before JAX touches a backend
+    eqxpar.recipe.require_positive(cfg, "steps", "batch_size", "context", "dim", "heads", "kv_heads", "hidden_dim")
+    eqxpar.recipe.require_positive(cfg, "layers")
+    if not cfg.learning_rate > 0:
+        raise ValueError(f"--learning-rate must be positive, got {cfg.learning_rate}.")
+    if cfg.heads % cfg.kv_heads:
+        raise ValueError(f"--heads {cfg.heads} is not a multiple of --kv-heads {cfg.kv_heads}.")
+    if cfg.from_hf is not None and not os.path.isfile(os.path.join(cfg.from_hf, "config.json")):
+        raise ValueError(f"--from-hf {cfg.from_hf}: no config.json there; give a Hugging Face Llama folder.")
+    if cfg.export_hf is not None and os.path.exists(cfg.export_hf):
+        held = sorted(f for f in os.listdir(cfg.export_hf) if f == "config.json" or f.endswith(".safetensors"))
+        if held:
+            raise ValueError(f"--export-hf {cfg.export_hf} already holds {held}: give a new folder.")
+    # The batch splits over data x fsdp; the model axis splits the key/value heads (and the
+    # vocabulary, padded to a multiple of 8).
+    sizes = eqxpar.recipe.mesh_from_flag(
+        cfg.mesh,
+        {"data": 2, "model": 4},
+        divides={"data": {"--batch-size": cfg.batch_size}, "model": {"--kv-heads": cfg.kv_heads, "the vocabulary": 8}},
+        any_names=True,
+    )
+    unknown = sorted(set(sizes) - set(AXES))
+    if unknown:
+        raise ValueError(f"--mesh {cfg.mesh}: unknown axes {unknown}; this recipe's axes are {list(AXES)}.")
+    if cfg.batch_size % (sizes.get("data", 1) * sizes.get("fsdp", 1)):
+        raise ValueError(f"--mesh {cfg.mesh}: data x fsdp does not divide --batch-size {cfg.batch_size}.")
+    if cfg.from_hf is None and cfg.kv_heads % sizes.get("model", 1):
+        raise ValueError(f"--mesh {cfg.mesh}: model={sizes['model']} does not divide --kv-heads {cfg.kv_heads}.")
+    if "fsdp" not in sizes:
+        sizes.setdefault("data", 1)
+    sizes = {axis: sizes.get(axis, 1) for axis in AXES if axis in sizes or axis == "model"}
+    return dataclasses.replace(cfg, mesh=eqxpar.recipe.mesh_text(sizes))
+
+
+def main(argv=None) -> dict:
+    cfg = eqxpar.recipe.parse_flags(Config, argv, validate=check_flags)  # bad flags: one line, exit 2
+    with eqxpar.recipe.flag_errors():  # checkpoints there need --resume, with the same shape
+        ckpt = eqxpar.checkpoint.Checkpointer.from_config(
+            cfg, shape_fields=("context", "dim", "heads", "kv_heads", "hidden_dim", "layers", "scan_layers", "from_hf")
+        )
+    sizes = eqxpar.parse_mesh(cfg.mesh)
+    mesh = eqxpar.make_mesh(**sizes)
+    batch_axes = tuple(axis for axis in ("data", "fsdp") if axis in sizes)
+    batch_axis = batch_axes[0] if len(batch_axes) == 1 else batch_axes
+    say = print if eqxpar.recipe.is_main_process() else (lambda *a, **k: None)
+
+    # --- Data: characters of some standard-library modules; the last 10% held out. ---
+    text = python_source_text()
+    split = int(0.9 * len(text.ids))
+    train_ids, val_ids = text.ids[:split], text.ids[split:]
+
+    # --- Model: created in its shards, or loaded into them from a Hugging Face folder. ---
+    model_key, train_key = jax.random.split(jax.random.key(cfg.seed))
+    fsdp = "fsdp" in sizes
+    if cfg.from_hf is not None:
+        with eqxpar.recipe.flag_errors():  # a checkpoint this mesh cannot split: one line, exit 2
+            model, _ = load_hf(cfg.from_hf, mesh, strategy="fsdp" if fsdp else "tensor", scan_layers=cfg.scan_layers)
+            if model.config.vocab_size < text.vocab_size or model.config.max_seq_len < cfg.context:
+                raise ValueError(
+                    f"--from-hf {cfg.from_hf}: its vocabulary ({model.config.vocab_size}) must hold the data's "
+                    f"{text.vocab_size} characters and its max_position_embeddings ({model.config.max_seq_len}) "
+                    f"--context {cfg.context}."
+                )
+        config = model.config
+        say(f"loaded {cfg.from_hf}: {config}")
+    else:
+        config = LlamaConfig(
+            vocab_size=text.vocab_size,
+            dim=cfg.dim,
+            num_layers=cfg.layers,
+            num_heads=cfg.heads,
+            num_kv_heads=cfg.kv_heads,
+            hidden_dim=cfg.hidden_dim,
+            max_seq_len=cfg.context,
+        )
+
+        def placement(abstract):  # where the step keeps each array (fsdp_step's own default under FSDP)
+            tensor = eqxpar.nn.partition_specs(abstract, mesh)
+            return fsdp_specs(abstract, mesh, param_specs=tensor) if fsdp else tensor
+
+        model = eqxpar.init_sharded(lambda: Llama(config, scan_layers=cfg.scan_layers, key=model_key), mesh, placement)
+    specs = eqxpar.nn.partition_specs(model, mesh)  # how the model computes: split over `model`
+
+    # --- The step: hybrid (data x model), or FSDP x TP when the mesh has an fsdp axis. ---
+    def loss_fn(model, tokens, key):
+        return llama_loss(model, tokens, key=key)
+
+    optimizer = optax.adamw(cfg.learning_rate)
+    if fsdp:
+        step = fsdp_step(loss_fn, optimizer, mesh, batch_axis=batch_axis)
+    else:
+        step = hybrid_step(loss_fn, optimizer, mesh, param_specs=specs, batch_axis="data", model_axis="model")
+    model, opt_state = step.init(model)
+
+    def batch(i: int):  # a pure function of (seed, step): any mesh, and a resumed run, sees the same
+        tokens = text_windows(train_ids, cfg.batch_size, cfg.context, seed=cfg.seed, step=i)
+        return eqxpar.shard(tokens, mesh, P(batch_axis))
+
+    evaluate = eqxpar.recipe.held_out_loss(lambda model, tokens: llama_loss(model, tokens), mesh, specs)
+    val_tokens = text_windows(val_ids, 64, cfg.context, seed=1234, step=0)
+    start_val_loss = float(evaluate(model, val_tokens))  # the model we start from (--from-hf: the file's)
+    start_digest = eqxpar.recipe.parameter_digest(model)
+    say(f"mesh {dict(mesh.shape)}; held-out loss before training {start_val_loss:.4f}")
+
+    flops_per_token = llama_flops_per_token(config, cfg.context)  # 6 N + attention, forward and backward
+    (model, opt_state, train_key), first_step, history = ckpt.restore((model, opt_state, train_key))
+    run_log = eqxpar.recipe.RunLog.from_config(
+        cfg,
+        items_per_step=cfg.batch_size * cfg.context,
+        flops_per_item=flops_per_token,
+        n_devices=mesh.size,
+        losses=history["losses"] if history else [],
+    )
+    for i in run_log.progress(eqxpar.recipe.steps_to_run(first_step, cfg.steps), desc=f"llama {cfg.mesh}"):
+        model, opt_state, metrics = step(model, opt_state, batch(i), jax.random.fold_in(train_key, i))
+        run_log.step(i, metrics)
+        run_log.maybe_eval(i, val_loss=functools.partial(evaluate, model, val_tokens))
+        ckpt.maybe_save(i + 1, (model, opt_state, train_key), data_state=run_log.data_state, force=i + 1 == cfg.steps)
+    ckpt.close()
+    run_log.close()
+    losses = run_log.losses
+    val_loss = float(evaluate(model, val_tokens))
+    if cfg.export_hf is not None:
+        with eqxpar.recipe.flag_errors():
+            save_hf(model, cfg.export_hf)  # array by array; only process 0 writes
+        say(f"exported the trained model to {cfg.export_hf} (config.json, model.safetensors)")
+
+    params = eqxpar.sharding_report(model)
+    metrics = {
+        "mesh": cfg.mesh,
+        "steps": cfg.steps,
+        "from_hf": cfg.from_hf,
+        "export_hf": cfg.export_hf,
+        "losses": losses,
+        "first_loss": losses[0],
+        "final_loss": losses[-1],
+        "final_loss_mean10": float(np.mean(losses[-10:])),
+        "start_val_loss": start_val_loss,
+        "val_loss": val_loss,
+        "val_losses": run_log.evals,
+        "uniform_loss": math.log(text.vocab_size),
+        **eqxpar.recipe.speed_metrics(
+            run_log.per_second, llama_flops_per_token(config, cfg.context), mesh.size, "float32"
+        ),
+        "param_bytes_total": params.bytes_total,
+        "param_bytes_per_device": params.bytes_per_device,
+        "resumed_from_step": first_step,
+        "start_param_digest": start_digest,
+        "param_digest": eqxpar.recipe.parameter_digest(model),  # of the whole (gathered) weights
+    }
+    say(
+        f"{cfg.mesh}: loss {metrics['first_loss']:.3f} -> {metrics['final_loss_mean10']:.3f} (last 10 steps), "
+        f"held-out {start_val_loss:.3f} -> {val_loss:.3f} (uniform guessing {metrics['uniform_loss']:.3f}); "
+        f"{eqxpar.recipe.speed_text(metrics)}; parameters {params.bytes_per_device:,} of {params.bytes_total:,} "
+        f"bytes per device"
+    )
+    eqxpar.recipe.write_metrics(cfg.metrics_out, metrics)
+    return metrics
+
+
+if __name__ == "__main__":
+    main()
