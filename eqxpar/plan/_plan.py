@@ -154,7 +154,7 @@ def plan(
 
     **Arguments:**
 
-    - `config`: the GPT's shape, an [`eqxpar.models.GPTConfig`][].
+    - `config`: the GPT's shape, an `eqxpar.models.GPTConfig`.
     - `batch`: sequences per step (the global batch).
     - `cluster`: an [`eqxpar.plan.Cluster`][] or a preset name (`"h100"`, one host).
     - `seq`: tokens per sequence (default: the config's context).
