@@ -40,7 +40,7 @@ def safetensors_module(who: str, module: str = "safetensors"):
 def hf_tensor_names(model: Llama) -> list[tuple[tuple[str, ...], bool]]:
     """Per array leaf of `model` (in `jax.tree.leaves` order), the Hugging Face tensor names
     it holds and whether it is stacked: one name, or with `scan_layers=True` one per layer
-    (`model.layers.{i}.self_attn.q_proj.weight` for `i` in order, stacked on axis 0)."""
+    (`model.layers.0.self_attn.q_proj.weight`, `model.layers.1...`, stacked on axis 0)."""
     names = []
     for path, _ in jax.tree_util.tree_flatten_with_path(model)[0]:
         parts = [str(getattr(k, "name", getattr(k, "idx", k))) for k in path]
