@@ -64,3 +64,14 @@ def test_export_refuses_a_folder_with_a_checkpoint(default_run, capsys):
         run_recipe("llama", tmp, *SMALL, "--export-hf", str(tmp / "exported"))
     assert stop.value.code == 2
     assert "already holds ['config.json', 'model.safetensors']: give a new folder" in capsys.readouterr().err
+
+
+def test_a_resumed_run_continues_exactly(default_run, tmp_path):
+    _, uninterrupted = default_run
+    ckpt = ("--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2")
+    flags = [f for f in SMALL if f not in ("--steps", "6")]
+    run_recipe("llama", tmp_path, *flags, "--steps", "4", *ckpt)
+    resumed = run_recipe("llama", tmp_path, *flags, "--steps", "6", *ckpt, "--resume")
+    assert resumed["resumed_from_step"] == 4
+    assert resumed["losses"] == uninterrupted["losses"]  # the saved history, then the same steps
+    assert resumed["param_digest"] == uninterrupted["param_digest"]
