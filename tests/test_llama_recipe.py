@@ -44,18 +44,23 @@ def test_default_mesh_and_one_device_train_the_same(default_run):
     assert sorted(os.listdir(tmp / "one_device_export")) == ["config.json", "model.safetensors"]
 
 
-@pytest.mark.parametrize("mesh", ["fsdp=4,model=2", "data=1,model=1"])
-def test_fine_tune_from_the_export_starts_from_the_exported_model(default_run, tmp_path, mesh):
+def test_fine_tune_from_the_export_starts_from_the_exported_model(default_run, tmp_path):
     tmp, trained = default_run
-    flags = ("--steps", "2", "--batch-size", "8", "--context", "16", "--mesh", mesh)
-    metrics = run_recipe("llama", tmp_path, *flags, "--from-hf", str(tmp / "exported"))
-    assert metrics["mesh"] == mesh and metrics["from_hf"] == str(tmp / "exported")
-    # The very weights that were exported (the digest of the gathered float32 weights) ...
-    assert metrics["start_param_digest"] == trained["param_digest"]
-    # ... so the same held-out loss, under another mesh up to float rounding.
-    np.testing.assert_allclose(metrics["start_val_loss"], trained["val_loss"], rtol=1e-6)
-    # Fine-tuning continues from there, not from a fresh model.
-    assert metrics["first_loss"] < trained["first_loss"] - 0.5
+    runs = {}
+    for mesh in ("data=1,model=1", "fsdp=4,model=2", "data=2,model=2"):
+        flags = ("--steps", "2", "--batch-size", "8", "--context", "16", "--mesh", mesh)
+        runs[mesh] = metrics = run_recipe("llama", tmp_path, *flags, "--from-hf", str(tmp / "exported"))
+        assert metrics["mesh"] == mesh and metrics["from_hf"] == str(tmp / "exported")
+        # The very weights that were exported (the digest of the gathered float32 weights) ...
+        assert metrics["start_param_digest"] == trained["param_digest"]
+        # ... so the same held-out loss, under another mesh up to float rounding.
+        np.testing.assert_allclose(metrics["start_val_loss"], trained["val_loss"], rtol=1e-6)
+        # Fine-tuning continues from there, not from a fresh model.
+        assert metrics["first_loss"] < trained["first_loss"] - 0.5
+    # Loaded into FSDP x TP and hybrid shards, the fine-tuning steps equal one device's.
+    one = runs["data=1,model=1"]["losses"]
+    for mesh in ("fsdp=4,model=2", "data=2,model=2"):
+        np.testing.assert_allclose(runs[mesh]["losses"], one, rtol=1e-5, err_msg=mesh)
 
 
 def test_export_refuses_a_folder_with_a_checkpoint(default_run, capsys):
