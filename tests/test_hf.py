@@ -268,3 +268,95 @@ def test_scan_layers_read_each_layer_slice_once(checkpoints, monkeypatch):
     reads = counter.by_tensor()
     q = "model.layers.1.self_attn.q_proj.weight"
     assert reads[q] == [(tensors[q].nbytes // 2, tensors[q].nbytes)] * 2
+
+
+# config.json files as transformers itself wrote them (LlamaConfig(...).save_pretrained, no
+# torch needed), pasted verbatim: 4.46.3 (top-level rope_theta and rope_scaling) and 5.24.0
+# (rope_parameters; it converts the older keyword arguments to it). Both read save_hf's
+# config.json back with these values (checked by hand with AutoConfig.from_pretrained).
+WRITTEN_BY_TRANSFORMERS = {
+    "4.46.3": {
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "head_dim": 8,
+        "hidden_act": "silu",
+        "hidden_size": 32,
+        "initializer_range": 0.02,
+        "intermediate_size": 48,
+        "max_position_embeddings": 16,
+        "mlp_bias": False,
+        "model_type": "llama",
+        "num_attention_heads": 8,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 4,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": {
+            "factor": 8.0,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 64,
+            "rope_type": "llama3",
+        },
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": True,
+        "transformers_version": "4.46.3",
+        "use_cache": True,
+        "vocab_size": 64,
+    },
+    "5.24.0": {
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "head_dim": 8,
+        "hidden_act": "silu",
+        "hidden_size": 32,
+        "initializer_range": 0.02,
+        "intermediate_size": 48,
+        "max_position_embeddings": 16,
+        "mlp_bias": False,
+        "model_type": "llama",
+        "num_attention_heads": 8,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 4,
+        "pad_token_id": None,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {
+            "factor": 8.0,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 500000.0,
+            "rope_type": "llama3",
+        },
+        "tie_word_embeddings": True,
+        "transformers_version": "5.24.0",
+        "use_cache": True,
+        "vocab_size": 64,
+    },
+}
+
+
+@pytest.mark.parametrize("version", sorted(WRITTEN_BY_TRANSFORMERS))
+def test_configs_written_by_transformers_load(tmp_path, version):
+    folder = write_checkpoint(tmp_path / version, hf_tensors(4, tie=True), WRITTEN_BY_TRANSFORMERS[version])
+    model, _ = load_hf(folder, eqxpar.make_mesh(model=2), strategy="tensor")
+    assert model.config == LlamaConfig(
+        vocab_size=64,
+        dim=32,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=8,
+        hidden_dim=48,
+        rope_theta=500000.0,
+        rope_scaling=LlamaRopeScaling(**LLAMA3),
+        norm_eps=1e-6,
+        tie_embeddings=True,
+        max_seq_len=16,
+    )
+    assert model.lm_head is None
