@@ -225,8 +225,47 @@ def memory(
         probabilities = sum(t.nbytes for t in activations.terms if t.what == "attention probabilities")
         per_block += tokens * (block.num_heads // layout.model) * 4 - probabilities
         saved += gpt.num_layers * (tokens * (block.num_heads // layout.model) * 4 - probabilities)
+    weights = 0
+    if layout.fsdp > 1 and layout.remat != "none":
+        # Under FSDP each block's backward pass reads its gathered weights: autodiff keeps
+        # them with the block's residuals (the same buffers the temporaries count as the
+        # gathered parameters, so they move from there to here).
+        weights = _gathered_block_weights(gpt, specs, layout.sizes)
+        per_block += weights
+        saved += gpt.num_layers * weights
     temporaries = _temporaries(gpt, layout, specs, params, activations, dtype, batch, seq)
-    return Memory(params, opt, saved, temporaries, per_block)
+    return Memory(params, opt, saved, temporaries - gpt.num_layers * weights, per_block)
+
+
+# The blocks' parameters a block's backward pass does not read (each only shifts an output
+# whose gradient is the incoming one): what autodiff does not keep from the gathered weights.
+UNREAD_BIASES = (
+    ".attention.query_proj.bias",
+    ".attention.key_proj.bias",
+    ".attention.value_proj.bias",
+    ".attention.output_proj.bias",
+    ".mlp.output.bias",
+)
+
+
+def _gathered_block_weights(gpt: GPT, specs: Any, sizes: dict[str, int]) -> int:
+    """Bytes of one block's gathered weights (its model-axis blocks) that its backward pass
+    reads: every array of the block but `UNREAD_BIASES`."""
+    whole = {**sizes, "fsdp": 1}
+    paths = jax.tree_util.tree_leaves_with_path(gpt.blocks)
+    spec_leaves = jax.tree.leaves(specs.blocks, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    total = 0
+    for (path, leaf), spec in zip(paths, spec_leaves, strict=True):
+        name = jax.tree_util.keystr(path)
+        if not hasattr(leaf, "dtype") or not np.issubdtype(leaf.dtype, np.inexact) or name.endswith(UNREAD_BIASES):
+            continue
+        entries = tuple(spec) + (None,) * (leaf.ndim - len(spec))
+        shape = [
+            size // math.prod(whole[a] for a in (() if e is None else (e,) if isinstance(e, str) else e))
+            for size, e in zip(leaf.shape, entries)
+        ]
+        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+    return total // gpt.num_layers
 
 
 _OPTIMIZER: dict[tuple, Any] = {}
