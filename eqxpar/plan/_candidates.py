@@ -74,6 +74,11 @@ def layouts(devices: int) -> Iterator[Layout]:
 _CHECKED: dict[tuple[int, int], str] = {}  # (id of an abstract GPT, model size): "" or why not; GPTs are cached
 
 
+def clear_checks() -> None:
+    """Forget the model-axis checks kept by GPT id (`eqxpar.plan.plan` clears them when it starts)."""
+    _CHECKED.clear()
+
+
 def rule_out(layout: Layout, gpt: GPT, batch: int, seq: int) -> str | None:
     """Why `layout` cannot run `gpt` on `batch` sequences of `seq` tokens, or None.
 

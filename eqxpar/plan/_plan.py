@@ -16,9 +16,9 @@ from ..models import GPT, GPTConfig
 from . import _cluster
 from ._abstract import abstract_gpt, abstract_mesh
 from ._build import build_batch, build_mesh, build_model, build_step
-from ._candidates import REMATS, Layout, layouts, rule_out
+from ._candidates import REMATS, Layout, clear_checks, layouts, rule_out
 from ._cluster import Cluster
-from ._predict import Memory, StepTime, comm_theory, flops_per_device, layout_specs, memory, step_time
+from ._predict import Memory, StepTime, clear_caches, comm_theory, flops_per_device, layout_specs, memory, step_time
 
 GB = 1e9
 
@@ -193,6 +193,8 @@ def plan(
     if bad or not remats:
         raise ValueError(f"plan: remats must be a non-empty subset of {REMATS}, got {tuple(remats)!r}.")
     opt = _optimizer(optimizer)
+    clear_caches()  # caches keyed by object ids live for one call
+    clear_checks()
     plans = []
     for layout in layouts(cluster.devices):
         if layout.remat not in remats:

@@ -42,8 +42,15 @@ RING_HOPS = {
 }
 
 
-def batch_axes(layout: Layout) -> tuple[str, ...]:
-    return ("data", "fsdp")
+# The batch is split over both: `data` copies the parameters, `fsdp` slices them.
+BATCH_AXES = ("data", "fsdp")
+
+
+def clear_caches() -> None:
+    """Forget the specs, optimizer layouts and leaf tables kept by object id (one plan
+    call's worth: `eqxpar.plan.plan` clears them when it starts)."""
+    for cache in (_SPECS, _OPTIMIZER, _LEAVES):
+        cache.clear()
 
 
 def layout_specs(gpt: GPT, mesh: Mesh, layout: Layout) -> Any:
@@ -110,7 +117,7 @@ def comm_theory(gpt: GPT, mesh: Mesh, layout: Layout, specs: Any, batch: int, se
             terms.append(TheoryTerm("all-reduce", others, blocks, "gradient blocks summed over the other batch axes"))
         theory = CommTheory(tuple(terms))
     theory += gpt_tensor_parallel_theory(
-        gpt, mesh, batch, seq, batch_axis=batch_axes(layout), context_axis=context_axis, remat=remat
+        gpt, mesh, batch, seq, batch_axis=BATCH_AXES, context_axis=context_axis, remat=remat
     )
     if context_axis:
         block = _attention(gpt)
@@ -123,7 +130,7 @@ def comm_theory(gpt: GPT, mesh: Mesh, layout: Layout, specs: Any, batch: int, se
             num_layers=gpt.num_layers,
             mode=layout.attention,
             context_axis="context",
-            batch_axis=batch_axes(layout),
+            batch_axis=BATCH_AXES,
             model_axis="model",
             dtype=gpt.position_embedding.weight.dtype,
             remat=remat,
@@ -214,7 +221,7 @@ def memory(
     opt = _block_bytes(opt_shapes, opt_specs, sizes, floating_only=False)
     context_axis = "context" if layout.context > 1 else None
     activations = gpt_activation_theory(
-        gpt, mesh, batch, seq, batch_axis=batch_axes(layout), context_axis=context_axis, dtype=dtype
+        gpt, mesh, batch, seq, batch_axis=BATCH_AXES, context_axis=context_axis, dtype=dtype
     )
     saved, per_block = activations.total, activations.per_block
     if fused_attention and layout.remat == "none" and layout.attention == "dot_product":
