@@ -188,6 +188,8 @@ def test_bad_input_is_a_value_error_naming_the_fix():
         small_plans(seq=32)
     with pytest.raises(ValueError, match="optimizer must be"):
         small_plans(optimizer="lion")
+    with pytest.raises(ValueError, match="axes must be a non-empty subset"):
+        small_plans(axes=("stage",))
     with pytest.raises(ValueError, match="remats must be"):
         small_plans(remats=("offload",))
     with pytest.raises(ValueError, match="no peak FLOP/s for float16"):
@@ -236,6 +238,12 @@ def test_prediction_beside_the_h200_measurements():
     large = sorted(e for (config, *_), e in efficiencies.items() if config == "1.3b")
     assert large[1] == pytest.approx(eqxpar.plan.cluster("h200").efficiency, abs=0.01)
     assert all(0.3 < e < 0.7 for e in efficiencies.values())
+
+
+def test_plans_only_over_the_axes_asked_for():
+    plans = small_plans(axes=("data", "model"))
+    assert plans and all(p.layout.fsdp == p.layout.context == 1 for p in plans)
+    assert {(p.layout.data, p.layout.model) for p in plans} == {(8, 1), (4, 2), (2, 4), (1, 8)}
 
 
 def test_a_plan_is_a_value():

@@ -10,6 +10,7 @@ and returns the fastest that fit, each able to build its own mesh and step.
 beside the compiled program's figure. See docs/concepts/planner.md.
 """
 
+from ._abstract import AXES
 from ._candidates import REMATS, Layout
 from ._cluster import PRESETS, Cluster, Link, cluster
 from ._plan import Plan, plan, table
@@ -26,6 +27,7 @@ __all__ = [
     "PRESETS",
     "Layout",
     "REMATS",
+    "AXES",
     "Memory",
     "StepTime",
     "RING_FACTORS",

@@ -26,6 +26,7 @@ from ..nn import StackedLayers
 # The mesh axes a plan may use, outermost first (the innermost, `model`, varies fastest
 # over device ids, so it stays inside a host longest).
 AXES = ("data", "fsdp", "context", "model")
+"""The mesh axes a plan uses, in mesh order (outermost first)."""
 
 
 def abstract_gpt(

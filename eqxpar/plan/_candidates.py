@@ -12,6 +12,7 @@ from ..nn import zigzag_order
 from ._abstract import AXES, abstract_mesh
 
 REMATS = ("none", "save_matmuls", "block")
+"""The GPT remat policies a plan chooses from (`"offload"` is not modelled)."""
 CONTEXT_ATTENTION = ("ring", "all_gather")
 
 
@@ -62,9 +63,13 @@ def factorisations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
                 yield (first, *rest)
 
 
-def layouts(devices: int) -> Iterator[Layout]:
-    """Every layout of `devices` devices, before any divisibility rule."""
+def layouts(devices: int, axes: tuple[str, ...] = AXES) -> Iterator[Layout]:
+    """Every layout of `devices` devices over `axes` (the others of size 1), before any
+    divisibility rule."""
     for data, fsdp, context, model in factorisations(devices, 4):
+        sizes = {"data": data, "fsdp": fsdp, "context": context, "model": model}
+        if any(n > 1 and a not in axes for a, n in sizes.items()):
+            continue
         for remat in REMATS:
             for sp in (False, True) if model > 1 else (False,):
                 for attention in CONTEXT_ATTENTION if context > 1 else ("dot_product",):

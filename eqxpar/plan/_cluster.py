@@ -225,6 +225,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 PRESETS = tuple(_PRESETS)
+"""The device kinds [`eqxpar.plan.cluster`][] knows."""
 
 
 def cluster(kind: str, hosts: int = 1, **overrides: Any) -> Cluster:

@@ -14,7 +14,7 @@ import optax
 from ..inspect import CommTheory
 from ..models import GPT, GPTConfig
 from . import _cluster
-from ._abstract import abstract_gpt, abstract_mesh
+from ._abstract import AXES, abstract_gpt, abstract_mesh
 from ._build import build_batch, build_mesh, build_model, build_step
 from ._candidates import REMATS, Layout, clear_checks, layouts, rule_out
 from ._cluster import Cluster
@@ -136,6 +136,7 @@ def plan(
     vocab_size: int = 50257,
     pad_vocab_to_multiple_of: int = 128,
     remats: Sequence[str] = REMATS,
+    axes: Sequence[str] = AXES,
     include_infeasible: bool = False,
 ) -> list[Plan]:
     """The fastest layouts of a GPT train step that fit the cluster, best first.
@@ -164,6 +165,8 @@ def plan(
     - `top`: how many plans to return (None: all).
     - `vocab_size`, `pad_vocab_to_multiple_of`: the GPT's vocabulary (GPT-2's by default).
     - `remats`: the remat policies to consider.
+    - `axes`: the mesh axes a plan may use (default all four; e.g. `("data", "model")` for
+      a recipe that builds only those).
     - `include_infeasible`: also return the plans that do not fit (after those that do).
 
     **Returns:**
@@ -192,11 +195,13 @@ def plan(
     bad = [r for r in remats if r not in REMATS]
     if bad or not remats:
         raise ValueError(f"plan: remats must be a non-empty subset of {REMATS}, got {tuple(remats)!r}.")
+    if not axes or any(a not in AXES for a in axes):
+        raise ValueError(f"plan: axes must be a non-empty subset of {AXES}, got {tuple(axes)!r}.")
     opt = _optimizer(optimizer)
     clear_caches()  # caches keyed by object ids live for one call
     clear_checks()
     plans = []
-    for layout in layouts(cluster.devices):
+    for layout in layouts(cluster.devices, tuple(axes)):
         if layout.remat not in remats:
             continue
         priced = price(layout, config, batch, seq, cluster, opt, dtype, vocab_size, pad_vocab_to_multiple_of)

@@ -32,6 +32,8 @@ RING_FACTORS = {
     "all-to-all": lambda n: (n - 1) / n,
     "collective-permute": lambda n: 1.0,
 }
+"""Per collective kind, `n -> ` bytes over each device's link per byte of the collective's
+array (the bytes convention of `eqxpar.inspect`), for a ring of `n` devices."""
 # Hops a ring collective takes (each paying the link's latency once).
 RING_HOPS = {
     "all-reduce": lambda n: 2 * (n - 1),
