@@ -1,4 +1,4 @@
-"""Sampling from a GPT: whole-vocabulary logits and a token-by-token loop."""
+"""Sampling from a GPT or a Llama: whole-vocabulary logits and a token-by-token loop."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from .._shard_map import filter_shard_map
 from ._gpt import GPT
+from ._llama import Llama
 
 __all__ = ["generate", "whole_logits"]
 
@@ -59,7 +60,7 @@ def generate(
 
 
 def whole_logits(
-    model: GPT, mesh: Mesh, specs: PyTree
+    model: GPT | Llama, mesh: Mesh, specs: PyTree
 ) -> Callable[[Int[Array, "batch seq"]], Float[Array, "batch seq vocab"]]:
     """A function from token windows to whole-vocabulary logits, for [`eqxpar.models.generate`][].
 
@@ -69,7 +70,8 @@ def whole_logits(
 
     **Arguments:**
 
-    - `model`: a [`eqxpar.models.GPT`][] placed on `mesh` with `specs`.
+    - `model`: a [`eqxpar.models.GPT`][] or [`eqxpar.models.Llama`][] placed on `mesh`
+      with `specs`.
     - `mesh`: the device mesh (it must have the model's axis).
     - `specs`: the model's spec tree, e.g. `eqxpar.nn.partition_specs(model, mesh)`.
 
@@ -78,9 +80,17 @@ def whole_logits(
     `logits_fn(tokens) -> logits`, `(batch, seq)` ids to `(batch, seq, vocab_size)` (the
     real vocabulary, without the padding ids), compiled once per shape.
     """
+    if isinstance(model, GPT):
+        vocab_size = model.vocab_size
+        forward = lambda m, tokens: m(tokens, inference=True)  # noqa: E731  (dropout off)
+    elif isinstance(model, Llama):
+        vocab_size = model.config.vocab_size
+        forward = lambda m, tokens: m(tokens)  # noqa: E731  (no dropout to turn off)
+    else:
+        raise ValueError(f"whole_logits: model must be an eqxpar.models.GPT or Llama, got {type(model).__name__}.")
     fn = eqx.filter_jit(
         filter_shard_map(
-            lambda m, tokens: m(tokens, inference=True),
+            forward,
             mesh=mesh,
             in_specs=(specs, PartitionSpec()),
             out_specs=PartitionSpec(None, None, model.axis_name),
@@ -88,6 +98,6 @@ def whole_logits(
     )
 
     def logits_fn(tokens):
-        return fn(model, tokens)[..., : model.vocab_size]  # the padding ids' columns dropped
+        return fn(model, tokens)[..., :vocab_size]  # the padding ids' columns dropped
 
     return logits_fn
