@@ -21,6 +21,7 @@ Run it (8 simulated CPU devices when there is no accelerator):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import equinox as eqx
@@ -49,6 +50,7 @@ class Config(eqxpar.recipe.CheckpointFlags, eqxpar.recipe.LogFlags):  # + checkp
     layers: int = 2  # transformer blocks
     learning_rate: float = 3e-3  # AdamW step size
     seed: int = 0  # seeds the weights and the batches
+    eval_every: int = 0  # held-out loss every N steps (printed, and in --log-dir); 0: only at the end
     metrics_out: str | None = None  # write the results as JSON here
 
 
@@ -153,20 +155,26 @@ def main(argv=None) -> dict:
     say = print if eqxpar.recipe.is_main_process() else (lambda *a, **k: None)
 
     text = python_source_text()
+    # The last tenth of the text is held out: the held-out loss every --eval-every steps.
+    split_at = int(0.9 * len(text.ids))
+    train_ids, val_ids = text.ids[:split_at], text.ids[split_at:]
+    val_tokens = text_windows(val_ids, 64, cfg.context, seed=1234, step=0)
     model = CharLM(text.vocab_size, cfg.context, cfg.dim, cfg.heads, cfg.layers, key=jax.random.key(cfg.seed))
     optimizer = optax.adamw(cfg.learning_rate)
 
     def batch(i: int):  # a pure function of (seed, step): every run sees the same batches
-        return text_windows(text.ids, cfg.batch_size, cfg.context, seed=cfg.seed, step=i)
+        return text_windows(train_ids, cfg.batch_size, cfg.context, seed=cfg.seed, step=i)
 
     def train(parallel, loss, title):
         """The standard hybrid step: tensor-parallel over `model`, the batch over `data`;
         with --log-dir and --checkpoint-dir, its records and checkpoints in folders of their
         own (auto_plan/, split_head/). Returns the model, its losses, the step's
-        communication and the step it resumed from."""
+        communication, the step it resumed from and the held-out loss."""
         where = None if cfg.log_dir is None else os.path.join(cfg.log_dir, title.replace(" ", "_"))
         ckpt = eqxpar.checkpoint.Checkpointer.from_config(part_config(cfg, title), shape_fields=SHAPE_FIELDS)
-        step = hybrid_step(loss, optimizer, mesh, param_specs=eqxpar.nn.partition_specs(parallel, mesh))
+        specs = eqxpar.nn.partition_specs(parallel, mesh)
+        step = hybrid_step(loss, optimizer, mesh, param_specs=specs)
+        evaluate = eqxpar.recipe.held_out_loss(lambda m, tokens: loss(m, tokens), mesh, specs)
         parallel, opt_state = step.init(parallel)
         comm = eqxpar.communication_report(step, parallel, opt_state, eqxpar.train.shard_batch(batch(0), mesh))
         say(f"{title}: collectives of one train step (per device):\n{comm}\n")
@@ -179,10 +187,11 @@ def main(argv=None) -> dict:
         for i in run_log.progress(eqxpar.recipe.steps_to_run(first_step, cfg.steps), desc=title):
             parallel, opt_state, metrics = step(parallel, opt_state, eqxpar.train.shard_batch(batch(i), mesh))
             run_log.step(i, metrics)
+            run_log.maybe_eval(i, val_loss=functools.partial(evaluate, parallel, val_tokens))
             ckpt.maybe_save(i + 1, (parallel, opt_state), data_state=run_log.data_state, force=i + 1 == cfg.steps)
         ckpt.close()
         run_log.close()
-        return parallel, run_log.losses, comm, first_step
+        return parallel, run_log.losses, comm, first_step, float(evaluate(parallel, val_tokens))
 
     # --- Part 1: the automatic plan. Attention, MLPs and embedding split; the rest whole. ---
     # `parallelize` shares the model's arrays; `step.init` places copies of them on the mesh,
@@ -194,7 +203,7 @@ def main(argv=None) -> dict:
     # parameters compare as tightly as the gradients do.
     parity = eqxpar.testing.check_parallel_parity(model, parallel, loss_fn, optax.sgd(0.1), mesh, batch(0))
     say(f"parity check: {parity}\n")
-    parallel, losses, comm, first_step = train(parallel, loss_fn, PARTS[0])
+    parallel, losses, comm, first_step, val_loss = train(parallel, loss_fn, PARTS[0])
 
     # The dense model, trained on one device on the same batches: the same losses.
     @eqx.filter_jit
@@ -212,7 +221,7 @@ def main(argv=None) -> dict:
     dense_losses = [float(loss) for loss in jax.device_get(dense_losses)]
     gap = float(np.max(np.abs(np.array(losses) - dense_losses) / np.array(dense_losses)))
     say(
-        f"auto plan: loss {losses[0]:.4f} -> {losses[-1]:.4f}; dense model on one device "
+        f"auto plan: loss {losses[0]:.4f} -> {losses[-1]:.4f} (held-out {val_loss:.4f}); dense model on one device "
         f"{dense_losses[0]:.4f} -> {dense_losses[-1]:.4f}; largest relative gap over {cfg.steps} steps {gap:.1e}"
     )
     # And back: the trained parallel model as a plain Equinox model.
@@ -234,7 +243,7 @@ def main(argv=None) -> dict:
         model, split, split_head_loss_fn, optax.sgd(0.1), mesh, batch(0)
     )
     say(f"parity check: {split_parity}\n")
-    split, split_losses, split_comm, split_first_step = train(split, split_head_loss_fn, PARTS[1])
+    split, split_losses, split_comm, split_first_step, split_val_loss = train(split, split_head_loss_fn, PARTS[1])
     split_gap = float(np.max(np.abs(np.array(split_losses) - dense_losses) / np.array(dense_losses)))
     report = eqxpar.sharding_report(split)
     say(
@@ -253,6 +262,8 @@ def main(argv=None) -> dict:
         "first_loss": losses[0],
         "final_loss": losses[-1],
         "dense_final_loss": dense_losses[-1],
+        "val_loss": val_loss,
+        "split_head_val_loss": split_val_loss,
         "max_relative_loss_gap": gap,
         "split_head_final_loss": split_losses[-1],
         "split_head_max_relative_loss_gap": split_gap,

@@ -73,7 +73,9 @@ def test_models_that_do_not_belong_together_are_refused():
 
 
 def test_the_concept_page_runs_as_written(capsys):
-    """docs/concepts/your_model.md: its python blocks, in order, print the table it shows."""
+    """docs/concepts/your_model.md: its python blocks, in order, print the table it shows.
+    (Blocks fenced as `py` are fragments of a user's own model, shown in full in
+    tests/test_parallelize_llama_style.py and tests/test_parallelize_registry.py.)"""
     import pathlib
     import re
 
