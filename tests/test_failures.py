@@ -86,8 +86,10 @@ class Job:
         assert not hung, f"the job still runs after {timeout} s: a hang\n{self.output()}"
         return [p.returncode for p in self.procs], ended
 
-    def wait_until_blocked(self, process, quiet_s=1.5, timeout=LIMIT_S):
-        """Wait until `process`'s main thread has slept, using no CPU, for `quiet_s` seconds.
+    def wait_until_blocked(self, process, quiet_s=3.0, timeout=LIMIT_S):
+        """Wait until `process`'s main thread has slept, using no CPU, for `quiet_s` seconds
+        (3 s: on a machine loaded ten times over its cores, a thread waiting 1.5 s on a lock
+        while still in Python was taken for one blocked in the collective).
 
         Read from /proc/PID/task/PID/stat: the state letter (field 3) and the thread's user and
         system CPU ticks (fields 14 and 15). A thread that compiles, dispatches or waits for a
