@@ -88,8 +88,8 @@ class Job:
 
     def wait_until_blocked(self, process, quiet_s=3.0, timeout=LIMIT_S):
         """Wait until `process`'s main thread has slept, using no CPU, for `quiet_s` seconds
-        (3 s: on a machine loaded ten times over its cores, a thread waiting 1.5 s on a lock
-        while still in Python was taken for one blocked in the collective).
+        (3 s: under a load of ten on two cores, 1.5 s was not enough to tell, and the hint
+        after the first SIGINT never came; a longer quiet spell is the likelier explanation's fix).
 
         Read from /proc/PID/task/PID/stat: the state letter (field 3) and the thread's user and
         system CPU ticks (fields 14 and 15). A thread that compiles, dispatches or waits for a
