@@ -71,6 +71,8 @@ def test_export_refuses_a_folder_with_a_checkpoint(default_run, capsys):
     assert "already holds ['config.json', 'model.safetensors']: give a new folder" in capsys.readouterr().err
 
 
+# Heavy (20-45 s): every other training recipe's bitwise resume runs by default (test_recipe_resume_all).
+@pytest.mark.thorough
 def test_a_resumed_run_continues_exactly(default_run, tmp_path):
     _, uninterrupted = default_run
     ckpt = ("--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2")

@@ -192,6 +192,8 @@ def check_parity(
         assert int(np.sum(want_aux.dropped)) > 0  # the drop path was taken
 
 
+# Heavy (18-31 s): the expert-parallel property and the mutants cover the all_to_alls by default.
+@pytest.mark.thorough
 @examples(2)  # and the two pins: the model axis adds a psum each way to the same exchange
 @given(
     sizes=mesh_sizes(("data", "expert", "model")).filter(lambda s: s["model"] > 1 and s["data"] <= 2),

@@ -152,7 +152,7 @@ def loss_fn(model, batch, key):
 pytestmark = pytest.mark.allow_rank_promotion
 
 
-@settings(max_examples=2, deadline=None)
+@settings(max_examples=1, deadline=None)  # + the 3 pinned layouts: make test stays near 15 min
 @given(
     case=st.sampled_from(
         [

@@ -40,10 +40,11 @@ def all_plans(layers: int = SMALL.layers) -> dict[str, eqxpar.plan.Plan]:
     return {str(p.layout): p for p in plans}
 
 
+# Two compiles by default (the third, save_matmuls + SP + all-gather, took 40-67 s: it runs
+# under thorough with every other candidate, so make test stays near 15 minutes).
 DEFAULT = (
     "data=2,fsdp=2,model=2 remat=none",
     "fsdp=2,context=2,model=2 remat=block ring",
-    "data=2,context=2,model=2 remat=save_matmuls sp all_gather",
 )
 EVERY = sorted(all_plans())
 
