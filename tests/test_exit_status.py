@@ -46,7 +46,13 @@ def test_sys_exit_3_in_one_rank_ends_the_job_with_status_3():
     out = "".join(seen) + rest
     assert proc.returncode == 3, out
     assert "[rank 1] eqxpar: process 1 of 2 failed: it called sys.exit(3)" in out, out
-    assert "[rank 0] eqxpar: process 0 of 2 stops because process 1 exited with status 3" in out, out
+    # Rank 0, blocked in a collective its peer left, either learns rank 1's status first or
+    # gets the collective's own error first (a race a fresh-clone make test lost once,
+    # 2026-11-26): either way it stops at once, and the launcher names rank 1 and its status.
+    assert (
+        "[rank 0] eqxpar: process 0 of 2 stops because process 1 exited with status 3" in out
+        or "[rank 0] eqxpar: process 0 of 2 has an uncaught exception; ending the whole job" in out
+    ), out
     assert out.strip().splitlines()[-1] == "eqxpar.launch: the job failed: rank 1 exited with status 3.", out
     assert ended < LIMIT_S, out
     print(f"sys.exit(3) in rank 1 ends the job in {ended:.1f} s, status {proc.returncode}")
