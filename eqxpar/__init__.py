@@ -16,10 +16,10 @@ from . import (
 )
 from ._mesh import fit_mesh, make_mesh, parse_mesh, simulate_cpu_devices
 from ._shard_map import filter_shard_map
-from ._sharded_init import init_sharded
 from ._sharding import (
     ShardingReport,
     gather,
+    init_sharded,
     shard,
     sharding_report,
 )

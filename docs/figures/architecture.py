@@ -31,7 +31,6 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "eqxpar._specs",
             "eqxpar._mesh",
             "eqxpar._sharding",
-            "eqxpar._sharded_init",
             "eqxpar._promotion",
         ),
     ),
