@@ -12,6 +12,7 @@ import pathlib
 
 import ml_dtypes
 import numpy as np
+import safetensors
 from safetensors.numpy import save_file
 
 # GQA (8 query heads, 4 key/value heads), head_dim given (8 * 8 = 64 != hidden_size 32),
@@ -119,6 +120,59 @@ def write_checkpoint(folder, tensors: dict, config: dict, *, shards: int = 1, bf
     return folder
 
 
+class CountingReads:
+    """safetensors.safe_open, wrapped: every array that comes out of the file (a slice's
+    block, or a whole tensor by get_tensor) is recorded with its tensor's name."""
+
+    def __init__(self, monkeypatch):
+        self.reads = []  # (tensor name, bytes read, the tensor's bytes)
+        self.whole = []
+        original = safetensors.safe_open
+        counter = self
+
+        class Slice:
+            def __init__(self, inner, name):
+                self.inner, self.name = inner, name
+
+            def get_shape(self):
+                return self.inner.get_shape()
+
+            def __getitem__(self, index):
+                block = self.inner[index]
+                total = int(np.prod(self.inner.get_shape())) * block.dtype.itemsize
+                counter.reads.append((self.name, block.nbytes, total))
+                return block
+
+        class File:
+            def __init__(self, *args, **kwargs):
+                self.inner = original(*args, **kwargs)
+
+            def __enter__(self):
+                self.inner.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return self.inner.__exit__(*exc)
+
+            def keys(self):
+                return self.inner.keys()
+
+            def get_slice(self, name):
+                return Slice(self.inner.get_slice(name), name)
+
+            def get_tensor(self, name):
+                counter.whole.append(name)
+                return self.inner.get_tensor(name)
+
+        monkeypatch.setattr(safetensors, "safe_open", File)
+
+    def by_tensor(self) -> dict:
+        out = {}
+        for name, nbytes, total in self.reads:
+            out.setdefault(name, []).append((nbytes, total))
+        return out
+
+
 # ---- Hugging Face's Llama forward pass, in numpy (float64) ---------------------------------
 
 
@@ -180,4 +234,125 @@ def reference_logits(tensors: dict, config: dict, tokens: np.ndarray, scaling) -
         x = x + ((gate / (1 + np.exp(-gate))) * (h @ t[p + "mlp.up_proj.weight"].T)) @ t[p + "mlp.down_proj.weight"].T
     x = _rms_norm(x, t["model.norm.weight"], eps)
     head = t.get("lm_head.weight", t["model.embed_tokens.weight"])
+    return x @ head.T
+
+
+# ---- GPT-2 (GPT2LMHeadModel) checkpoints and its forward pass, in numpy -------------------
+
+# 4 heads of 8 channels, MLP of 2 * n_embd units, a vocabulary (50) that the GPT pads to 128,
+# and a layer-norm epsilon far from LayerNorm's default (a wrong epsilon moves the logits).
+GPT2_SHAPE = dict(vocab_size=50, n_positions=16, n_embd=32, n_layer=2, n_head=4, n_inner=64, layer_norm_epsilon=1e-3)
+
+
+def gpt2_config_json(*, tie: bool = True, older: bool = False, **changes) -> dict:
+    """A GPT-2 config.json as transformers writes it (`older`: 4.x with `n_ctx`, the
+    classification-head `summary_*` keys and `torch_dtype`, as on the Hub)."""
+    config = {
+        "activation_function": "gelu_new",
+        "architectures": ["GPT2LMHeadModel"],
+        "attn_pdrop": 0.1,
+        "bos_token_id": 50256,
+        "embd_pdrop": 0.1,
+        "eos_token_id": 50256,
+        "initializer_range": 0.02,
+        "model_type": "gpt2",
+        "reorder_and_upcast_attn": False,
+        "resid_pdrop": 0.1,
+        "scale_attn_by_inverse_layer_idx": False,
+        "scale_attn_weights": True,
+        "summary_activation": None,
+        "summary_first_dropout": 0.1,
+        "summary_proj_to_labels": True,
+        "summary_type": "cls_index",
+        "summary_use_proj": True,
+        "use_cache": True,
+        **GPT2_SHAPE,
+    }
+    if not tie:
+        config["tie_word_embeddings"] = False
+    if older:
+        config.update(n_ctx=GPT2_SHAPE["n_positions"], torch_dtype="float32", transformers_version="4.46.3")
+    else:
+        config.update(dtype="float32", transformers_version="5.24.0")
+    config.update(changes)
+    return config
+
+
+def gpt2_tensors(seed: int = 0, *, tie: bool = True, prefix: str = "transformer.", buffers: bool = False) -> dict:
+    """A GPT2LMHeadModel state dict (float32): `Conv1D` weights `[in, out]`, fused `c_attn`;
+    names under `prefix` (`""` as in the Hub's older files); `buffers`: each attention's
+    causal-mask buffers too, as older files hold them."""
+    rng = np.random.default_rng(seed)
+    d, f, n = GPT2_SHAPE["n_embd"], GPT2_SHAPE["n_inner"], GPT2_SHAPE["n_positions"]
+
+    def w(*s):
+        return (0.2 * rng.standard_normal(s)).astype(np.float32)
+
+    def norm(k):
+        return (1 + 0.3 * rng.standard_normal(k)).astype(np.float32)
+
+    tensors = {prefix + "wte.weight": w(GPT2_SHAPE["vocab_size"], d), prefix + "wpe.weight": w(n, d)}
+    for i in range(GPT2_SHAPE["n_layer"]):
+        p = f"{prefix}h.{i}."
+        tensors.update(
+            {
+                p + "ln_1.weight": norm(d),
+                p + "ln_1.bias": w(d),
+                p + "attn.c_attn.weight": w(d, 3 * d),
+                p + "attn.c_attn.bias": w(3 * d),
+                p + "attn.c_proj.weight": w(d, d),
+                p + "attn.c_proj.bias": w(d),
+                p + "ln_2.weight": norm(d),
+                p + "ln_2.bias": w(d),
+                p + "mlp.c_fc.weight": w(d, f),
+                p + "mlp.c_fc.bias": w(f),
+                p + "mlp.c_proj.weight": w(f, d),
+                p + "mlp.c_proj.bias": w(d),
+            }
+        )
+        if buffers:
+            tensors[p + "attn.bias"] = np.tril(np.ones((n, n), np.float32))[None, None]
+            tensors[p + "attn.masked_bias"] = np.array(-1e4, np.float32)
+    tensors.update({prefix + "ln_f.weight": norm(d), prefix + "ln_f.bias": w(d)})
+    if not tie:
+        tensors["lm_head.weight"] = w(GPT2_SHAPE["vocab_size"], d)
+    return tensors
+
+
+def _layer_norm(x, weight, bias, eps):
+    mean = x.mean(-1, keepdims=True)
+    return weight * (x - mean) / np.sqrt(((x - mean) ** 2).mean(-1, keepdims=True) + eps) + bias
+
+
+def _gelu_new(x):
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def gpt2_reference_logits(tensors: dict, config: dict, tokens: np.ndarray) -> np.ndarray:
+    """GPT2LMHeadModel's logits for `tokens` `(batch, seq)` in eval mode, float64: learned
+    positions, pre-norm blocks, fused c_attn split into q, k, v, scores / sqrt(head_dim),
+    gelu_new, final norm, head tied to wte unless lm_head.weight is given."""
+    prefix = "transformer." if "transformer.wte.weight" in tensors else ""
+    t = {k.removeprefix(prefix): v.astype(np.float64) for k, v in tensors.items()}
+    eps, heads, d = config["layer_norm_epsilon"], config["n_head"], config["n_embd"]
+    hd = d // heads
+    batch, seq = tokens.shape
+    x = t["wte.weight"][tokens] + t["wpe.weight"][:seq]
+    causal = np.tril(np.ones((seq, seq), bool))
+    for i in range(config["n_layer"]):
+        p = f"h.{i}."
+        h = _layer_norm(x, t[p + "ln_1.weight"], t[p + "ln_1.bias"], eps)
+        qkv = h @ t[p + "attn.c_attn.weight"] + t[p + "attn.c_attn.bias"]
+        q, k, v = (a.reshape(batch, seq, heads, hd) for a in np.split(qkv, 3, axis=-1))
+        scores = np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
+        scores = np.where(causal, scores, -np.inf)
+        weights = np.exp(scores - scores.max(-1, keepdims=True))
+        weights /= weights.sum(-1, keepdims=True)
+        attended = np.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, seq, d)
+        x = x + attended @ t[p + "attn.c_proj.weight"] + t[p + "attn.c_proj.bias"]
+        h = _layer_norm(x, t[p + "ln_2.weight"], t[p + "ln_2.bias"], eps)
+        hidden = _gelu_new(h @ t[p + "mlp.c_fc.weight"] + t[p + "mlp.c_fc.bias"])
+        x = x + hidden @ t[p + "mlp.c_proj.weight"] + t[p + "mlp.c_proj.bias"]
+    x = _layer_norm(x, t["ln_f.weight"], t["ln_f.bias"], eps)
+    head = t.get("lm_head.weight", t["wte.weight"])
     return x @ head.T

@@ -14,8 +14,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-import safetensors
-from _hf_files import LLAMA3, SHAPE, config_json, hf_tensors, reference_logits, write_checkpoint
+from _hf_files import LLAMA3, SHAPE, CountingReads, config_json, hf_tensors, reference_logits, write_checkpoint
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -184,59 +183,6 @@ def test_bfloat16_checkpoints_load_as_float32_or_as_asked(tmp_path):
         np.testing.assert_array_equal(np.asarray(leaf), want, err_msg=name)
     model, _ = load_hf(folder, mesh, strategy="tensor", dtype=jnp.bfloat16)
     assert {leaf.dtype for leaf in jax.tree.leaves(model)} == {jnp.dtype(jnp.bfloat16)}
-
-
-class CountingReads:
-    """safetensors.safe_open, wrapped: every array that comes out of the file (a slice's
-    block, or a whole tensor by get_tensor) is recorded with its tensor's name."""
-
-    def __init__(self, monkeypatch):
-        self.reads = []  # (tensor name, bytes read, the tensor's bytes)
-        self.whole = []
-        original = safetensors.safe_open
-        counter = self
-
-        class Slice:
-            def __init__(self, inner, name):
-                self.inner, self.name = inner, name
-
-            def get_shape(self):
-                return self.inner.get_shape()
-
-            def __getitem__(self, index):
-                block = self.inner[index]
-                total = int(np.prod(self.inner.get_shape())) * block.dtype.itemsize
-                counter.reads.append((self.name, block.nbytes, total))
-                return block
-
-        class File:
-            def __init__(self, *args, **kwargs):
-                self.inner = original(*args, **kwargs)
-
-            def __enter__(self):
-                self.inner.__enter__()
-                return self
-
-            def __exit__(self, *exc):
-                return self.inner.__exit__(*exc)
-
-            def keys(self):
-                return self.inner.keys()
-
-            def get_slice(self, name):
-                return Slice(self.inner.get_slice(name), name)
-
-            def get_tensor(self, name):
-                counter.whole.append(name)
-                return self.inner.get_tensor(name)
-
-        monkeypatch.setattr(safetensors, "safe_open", File)
-
-    def by_tensor(self) -> dict:
-        out = {}
-        for name, nbytes, total in self.reads:
-            out.setdefault(name, []).append((nbytes, total))
-        return out
 
 
 @pytest.mark.parametrize(

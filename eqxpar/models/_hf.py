@@ -1,5 +1,5 @@
-"""Loading a Hugging Face Llama checkpoint (`config.json` and `.safetensors` shards) straight
-into its shards on a mesh: every device reads only its own slice of every tensor."""
+"""Loading a Hugging Face Llama or GPT-2 checkpoint (`config.json` and `.safetensors` shards)
+straight into its shards on a mesh: every device reads only its own slice of every tensor."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import contextlib
 import json
 import os
 import pathlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import equinox as eqx
@@ -21,10 +21,13 @@ from .._optional import require
 from ..nn import StackedLayers, partition_specs
 from ..train import fsdp_specs
 from ._block import REMAT_CHOICES, Remat
+from ._gpt import GPT
 from ._hf_config import llama_config_from_hf
+from ._hf_gpt2 import checkpoint_prefix, gpt2_abstract, gpt2_settings_from_hf, gpt2_sources, is_gpt2_buffer
+from ._hf_source import Source, read_block
 from ._llama import Llama
 
-__all__ = ["load_hf", "hf_tensor_names", "read_hf_config", "safetensors_module"]
+__all__ = ["load_hf", "hf_tensor_names", "llama_sources", "read_hf_config", "safetensors_module"]
 
 STRATEGIES = ("replicated", "tensor", "fsdp")
 INDEX = "model.safetensors.index.json"
@@ -110,58 +113,64 @@ def _open(folder: pathlib.Path, stack: contextlib.ExitStack, safetensors) -> tup
     return handles, weight_map
 
 
-def _check_tensors(abstract: Llama, names: list[tuple[tuple[str, ...], bool]], handles, weight_map) -> None:
+def llama_sources(model: Llama) -> list[Source]:
+    """Per array leaf of a Llama, its `Source`: Hugging Face's tensors as they are."""
+    return [
+        Source(names, tuple(leaf.shape[1:] if stacked else leaf.shape), stacked=stacked)
+        for leaf, (names, stacked) in zip(jax.tree.leaves(model), hf_tensor_names(model))
+    ]
+
+
+def _check_tensors(sources: list, handles, weight_map, ignorable: Callable[[str], bool], who: str) -> None:
     """Every tensor the model needs is there with its shape, and the checkpoint holds nothing
     the model would drop (before any weight is read)."""
     needed = set()
-    for leaf, (leaf_names, stacked) in zip(jax.tree.leaves(abstract), names):
-        shape = tuple(leaf.shape[1:] if stacked else leaf.shape)
-        for name in leaf_names:
+    for source in sources:
+        if source is None:
+            continue
+        for name in source.names:
             needed.add(name)
             if name not in weight_map:
                 raise ValueError(
                     f"load_hf: the checkpoint has no tensor {name!r}, which the config's model needs; check that "
-                    f"config.json belongs to these weights (num_hidden_layers, tie_word_embeddings)."
+                    f"config.json belongs to these weights (the number of layers, tie_word_embeddings)."
                 )
             got = tuple(handles[weight_map[name]].get_slice(name).get_shape())
-            if got != shape:
+            if got != source.shape:
                 raise ValueError(
-                    f"load_hf: tensor {name!r} in {weight_map[name]} has shape {got}, but config.json gives {shape} "
-                    f"(hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim, "
-                    f"vocab_size); check that config.json belongs to these weights."
+                    f"load_hf: tensor {name!r} in {weight_map[name]} has shape {got}, but config.json gives "
+                    f"{source.shape} (its sizes: widths, heads, layers, vocab_size); check that config.json "
+                    f"belongs to these weights."
                 )
-    tied = abstract.config.tie_embeddings
-    extra = sorted(
-        n
-        for n in set(weight_map) - needed
-        if not n.endswith("rotary_emb.inv_freq") and not (tied and n == "lm_head.weight")
-    )
+    extra = sorted(n for n in set(weight_map) - needed if not ignorable(n))
     if extra:
         raise ValueError(
-            f"load_hf: the checkpoint holds tensors a Llama has no place for: {extra[:5]}"
+            f"load_hf: the checkpoint holds tensors {who} has no place for: {extra[:5]}"
             + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
-            + "; it is not a LlamaForCausalLM of this config (biases, another architecture)."
+            + f"; it is not a {who} of this config (biases, another architecture)."
         )
 
 
-def _build_array(leaf, leaf_names, stacked: bool, spec, mesh, handles, weight_map, dtype) -> jax.Array:
+def _build_array(leaf, source: Source, spec, mesh, handles, weight_map, dtype) -> jax.Array:
     """One array made on `mesh` with `spec`, each device's block read as a slice of the file."""
     dtype = jnp.dtype(dtype)
     blocks: dict[tuple, np.ndarray] = {}  # devices holding the same block read it once
 
+    def get_slice(name: str):
+        return handles[weight_map[name]].get_slice(name)
+
     def read(index: Any) -> np.ndarray:  # a tuple of slices, one per dimension
         key = tuple((s.start, s.stop, s.step) for s in index)
         if key not in blocks:
-            if stacked:
-                layers = range(len(leaf_names))[index[0]]
-                parts = [handles[weight_map[leaf_names[i]]].get_slice(leaf_names[i])[index[1:]] for i in layers]
-                block = np.stack(parts)
-            else:
-                block = handles[weight_map[leaf_names[0]]].get_slice(leaf_names[0])[index]
+            block = read_block(source, tuple(index), leaf.shape, get_slice)
             blocks[key] = np.asarray(block).astype(dtype, copy=False)
         return blocks[key]
 
     return jax.make_array_from_callback(tuple(leaf.shape), NamedSharding(mesh, spec), read, dtype=dtype)
+
+
+def _is_abstract_array(leaf) -> bool:
+    return isinstance(leaf, jax.ShapeDtypeStruct)
 
 
 def load_hf(
@@ -176,18 +185,36 @@ def load_hf(
     batch_axis: str = "fsdp",
     min_size: int = 0,
     ignore_keys: Iterable[str] = (),
-) -> tuple[Llama, PyTree[PartitionSpec]]:
-    """A Hugging Face `LlamaForCausalLM` checkpoint folder loaded straight into its shards.
+) -> tuple[Llama | GPT, PyTree[PartitionSpec]]:
+    """A Hugging Face checkpoint folder loaded straight into its shards: a `LlamaForCausalLM`
+    as an [`eqxpar.models.Llama`][], a GPT-2 (`GPT2LMHeadModel`) as an
+    [`eqxpar.models.GPT`][].
 
-    Reads `config.json` (the keys of current transformers, `rope_parameters`, and of older
-    ones, top-level `rope_theta`/`rope_scaling`, with Llama 3's scaling), builds the
-    matching [`eqxpar.models.Llama`][] abstractly (`eqx.filter_eval_shape`: no weights
-    drawn), computes where each array goes, and makes each with
-    `jax.make_array_from_callback`: every device reads only its own slice of every tensor
-    through `safetensors`' `get_slice` (from one `model.safetensors` or the shards of
+    Reads `config.json` (for a Llama the keys of current transformers, `rope_parameters`,
+    and of older ones, top-level `rope_theta`/`rope_scaling`, with Llama 3's scaling),
+    builds the matching model abstractly (`eqx.filter_eval_shape`: no weights drawn),
+    computes where each array goes, and makes each with `jax.make_array_from_callback`:
+    every device reads only its own slice of every tensor through `safetensors`'
+    `get_slice` (from one `model.safetensors` or the shards of
     `model.safetensors.index.json`). No device, and no process, ever holds more of the model
     than its shards. Weights are cast to `dtype` (bfloat16 checkpoints to float32 by
-    default). Tensors need no permuting: the Llama stores Hugging Face's layouts.
+    default). A Llama's tensors need no permuting: the Llama stores Hugging Face's layouts.
+
+    **GPT-2** (`model_type: "gpt2"`): the GPT gets GPT-2's shape (`n_embd`, `n_head`,
+    `n_layer`, `n_positions`, `n_inner` as `mlp_ratio * n_embd`), its `layer_norm_epsilon`,
+    its dropouts (`resid_pdrop` = `embd_pdrop` as `dropout_p`, `attn_pdrop` on the attention
+    weights: call the model with `inference=True` to evaluate) and attention with GPT-2's
+    `c_attn` and `c_proj` biases; the tanh GELU (`gelu_new`) is the GPT's own. Each
+    device reads its columns of the `Conv1D` weights (stored `[in, out]`) and of the fused
+    `c_attn` (query, key, value). The vocabulary is padded to a multiple of 128 (the GPT's
+    padding, zeros, never predicted). The GPT holds its head apart from its embedding: for
+    a tied checkpoint (`tie_word_embeddings`, true by default) the head is a copy of
+    `wte` (each device reads its rows twice); see [`eqxpar.models.save_hf`][] for what it
+    writes. Tensor names with or without the `transformer.` prefix, and the older files'
+    attention-mask buffers (`h.0.attn.bias`, skipped), are read. What the GPT cannot
+    compute is a `ValueError` naming the key: `scale_attn_by_inverse_layer_idx`,
+    `reorder_and_upcast_attn`, `add_cross_attention`, another `activation_function`, an
+    `n_inner` that is not a multiple of `n_embd`, `embd_pdrop` different from `resid_pdrop`.
 
     ```python
     mesh = eqxpar.make_mesh(fsdp=2, model=4)
@@ -203,8 +230,9 @@ def load_hf(
       units, vocabulary), or `"fsdp"` ([`eqxpar.train.fsdp_specs`][] over `batch_axis`, on
       top of the tensor split if the mesh has `axis_name`: FSDP x TP, as
       [`eqxpar.train.fsdp_step`][] places it).
-    - `dtype`: the arrays' dtype; default float32 (the Llama's own).
-    - `scan_layers`, `remat`, `axis_name`: as for [`eqxpar.models.Llama`][].
+    - `dtype`: the arrays' dtype; default float32 (the models' own).
+    - `scan_layers`, `remat`, `axis_name`: as for [`eqxpar.models.Llama`][] and
+      [`eqxpar.models.GPT`][].
     - `batch_axis`, `min_size`: as for [`eqxpar.train.fsdp_specs`][] (`"fsdp"` only).
     - `ignore_keys`: `config.json` keys to skip that eqxpar does not know and that do not
       change the computation.
@@ -217,10 +245,11 @@ def load_hf(
     **Raises:**
 
     - `ValueError`, before any weight is read: a bad argument; a missing `config.json`,
-      shard or tensor; a `config.json` key the Llama cannot compute (another `model_type`,
-      biases, another activation or rotary embedding), naming the key; a tensor whose
+      shard or tensor; a `config.json` key the model cannot compute (another `model_type`,
+      a Llama's biases, another activation or rotary embedding, the GPT-2 keys above),
+      naming the key; a tensor whose
       shape disagrees with `config.json`; a mesh that does not split the model (e.g. a
-      model axis that does not divide `num_key_value_heads`).
+      model axis that does not divide `num_key_value_heads`, or GPT-2's `n_head`).
     - `MissingDependency` (an `ImportError`) without `safetensors`: `pip install "eqxpar[hf]"`.
     """
     if not isinstance(mesh, Mesh):
@@ -235,27 +264,54 @@ def load_hf(
         raise ValueError(f"load_hf: ignore_keys must be a list of keys, got the string {ignore_keys!r}.")
     safetensors = safetensors_module("eqxpar.models.load_hf")
     folder = pathlib.Path(path)
-    config = llama_config_from_hf(read_hf_config(folder), ignore_keys)
-    abstract = eqx.filter_eval_shape(
-        Llama, config, scan_layers=scan_layers, remat=remat, axis_name=axis_name, key=jax.random.key(0)
-    )
+    raw = read_hf_config(folder)
+    if raw.get("model_type") == "gpt2":
+        settings = gpt2_settings_from_hf(raw, ignore_keys)
+        abstract = gpt2_abstract(settings, scan_layers=scan_layers, remat=remat, axis_name=axis_name)
+    else:
+        abstract = eqx.filter_eval_shape(
+            Llama,
+            llama_config_from_hf(raw, ignore_keys),
+            scan_layers=scan_layers,
+            remat=remat,
+            axis_name=axis_name,
+            key=jax.random.key(0),
+        )
     if strategy == "replicated":
-        specs = jax.tree.map(lambda _: PartitionSpec(), abstract)
+        specs = jax.tree.map(lambda leaf: PartitionSpec() if _is_abstract_array(leaf) else None, abstract)
     elif strategy == "tensor":
         specs = partition_specs(abstract, mesh)
     else:
         base = partition_specs(abstract, mesh) if axis_name in mesh.shape else PartitionSpec()
         specs = fsdp_specs(abstract, mesh, batch_axis=batch_axis, param_specs=base, min_size=min_size)
-    names = hf_tensor_names(abstract)
     leaves, treedef = jax.tree.flatten(abstract)
+    spec_leaves = treedef.flatten_up_to(specs)
     with contextlib.ExitStack() as stack:
         handles, weight_map = _open(folder, stack, safetensors)
-        _check_tensors(abstract, names, handles, weight_map)
-        spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-        arrays = [
-            _build_array(
-                leaf, leaf_names, stacked, spec, mesh, handles, weight_map, leaf.dtype if dtype is None else dtype
-            )
-            for leaf, (leaf_names, stacked), spec in zip(leaves, names, spec_leaves)
+        if isinstance(abstract, GPT):
+            prefix = checkpoint_prefix(weight_map)
+            tied = settings.tie_word_embeddings  # the head reads wte: a copy of the embedding
+            sources = iter(gpt2_sources(abstract, prefix, tied))
+            ignorable = lambda n: is_gpt2_buffer(n) or (tied and n == "lm_head.weight")  # noqa: E731
+            who = "a GPT2LMHeadModel"
+        else:
+            sources = iter(llama_sources(abstract))
+            tied = abstract.config.tie_embeddings
+            ignorable = lambda n: n.endswith("rotary_emb.inv_freq") or (tied and n == "lm_head.weight")  # noqa: E731
+            who = "a LlamaForCausalLM"
+        placed = [
+            (leaf, next(sources) if _is_abstract_array(leaf) else None, spec) for leaf, spec in zip(leaves, spec_leaves)
         ]
-    return jax.tree.unflatten(treedef, arrays), specs
+        _check_tensors([source for _, source, _ in placed], handles, weight_map, ignorable, who)
+        out = []
+        for leaf, source, spec in placed:
+            if not _is_abstract_array(leaf):
+                out.append(leaf)
+            elif source is None:  # an array the checkpoint has no tensor for: none in these models
+                raise ValueError(f"load_hf: no tensor of the checkpoint fills an array of shape {leaf.shape}.")
+            else:
+                spec = PartitionSpec() if spec is None else spec
+                out.append(
+                    _build_array(leaf, source, spec, mesh, handles, weight_map, leaf.dtype if dtype is None else dtype)
+                )
+    return jax.tree.unflatten(treedef, out), specs

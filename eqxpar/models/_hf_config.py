@@ -10,10 +10,10 @@ from typing import Any
 
 from ._llama_config import LlamaConfig, LlamaRopeScaling
 
-__all__ = ["llama_config_from_hf", "hf_config_dict"]
+__all__ = ["llama_config_from_hf", "hf_config_dict", "INFORMATIONAL_KEYS", "config_error"]
 
 # Keys that describe the file, the tokenizer or generation, never the computation.
-_INFORMATIONAL = frozenset(
+INFORMATIONAL_KEYS = frozenset(
     {
         "_name_or_path",
         "architectures",
@@ -50,7 +50,7 @@ _OPTIONAL = {  # config.json key -> (LlamaConfig field, transformers' default)
 }
 # Keys the Llama supports with one value only: what anything else would need.
 _FIXED = {
-    "model_type": ("llama", "a Llama-architecture checkpoint (model_type 'llama')"),
+    "model_type": ("llama", "a Llama-architecture checkpoint (model_type 'llama'; load_hf reads 'gpt2' into a GPT)"),
     "hidden_act": ("silu", "the SwiGLU MLP with SiLU"),
     "attention_bias": (False, "q/k/v/o projections without biases"),
     "mlp_bias": (False, "MLP projections without biases"),
@@ -59,7 +59,7 @@ _FIXED = {
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
-def _fail(key: str, problem: str, fix: str) -> ValueError:
+def config_error(key: str, problem: str, fix: str) -> ValueError:
     return ValueError(f"load_hf: config.json key {key!r}: {problem}; {fix}")
 
 
@@ -68,38 +68,40 @@ def _rope(rope: Any, key: str) -> tuple[float | None, LlamaRopeScaling | None]:
     if rope is None:
         return None, None
     if not isinstance(rope, Mapping):
-        raise _fail(
+        raise config_error(
             key, f"expected a dict, got {rope!r}", "write it as transformers does, e.g. {'rope_type': 'default'}"
         )
     rope = dict(rope)
     if "rope_type" in rope and "type" in rope and rope["rope_type"] != rope["type"]:
-        raise _fail(key, f"rope_type {rope['rope_type']!r} and type {rope['type']!r} disagree", "keep one of them")
+        raise config_error(
+            key, f"rope_type {rope['rope_type']!r} and type {rope['type']!r} disagree", "keep one of them"
+        )
     rope_type = rope.pop("rope_type", rope.pop("type", "default"))
     rope.pop("type", None)
     theta = rope.pop("rope_theta", None)
     if rope_type == "default":
         extra = sorted(rope)
         if extra:
-            raise _fail(f"{key}.{extra[0]}", "not used by the default rotary embedding", "remove it")
+            raise config_error(f"{key}.{extra[0]}", "not used by the default rotary embedding", "remove it")
         return theta, None
     if rope_type != "llama3":
-        raise _fail(
+        raise config_error(
             f"{key}.rope_type",
             f"the rotary embedding {rope_type!r} is not supported",
             "eqxpar's Llama computes 'default' and Llama 3's 'llama3' scaling only",
         )
     missing = [k for k in _LLAMA3_KEYS if k not in rope]
     if missing:
-        raise _fail(
+        raise config_error(
             f"{key}.{missing[0]}", "missing: the 'llama3' scaling needs it", f"give all of {list(_LLAMA3_KEYS)}"
         )
     extra = sorted(set(rope) - set(_LLAMA3_KEYS))
     if extra:
-        raise _fail(f"{key}.{extra[0]}", "not part of the 'llama3' scaling", "remove it")
+        raise config_error(f"{key}.{extra[0]}", "not part of the 'llama3' scaling", "remove it")
     try:
         return theta, LlamaRopeScaling(**{k: rope[k] for k in _LLAMA3_KEYS})
     except ValueError as error:
-        raise _fail(key, str(error), "fix the scaling's values") from None
+        raise config_error(key, str(error), "fix the scaling's values") from None
 
 
 def llama_config_from_hf(config: Mapping[str, Any], ignore_keys: Iterable[str] = ()) -> LlamaConfig:
@@ -123,21 +125,23 @@ def llama_config_from_hf(config: Mapping[str, Any], ignore_keys: Iterable[str] =
     config = dict(config)
     for key, (want, meaning) in _FIXED.items():
         if key == "model_type" and key not in config:
-            raise _fail(key, "missing", "a Hugging Face Llama config.json has model_type 'llama'")
+            raise config_error(key, "missing", "a Hugging Face Llama config.json has model_type 'llama'")
         if key in config and config[key] != want:
-            raise _fail(key, f"{config[key]!r} is not supported", f"eqxpar's Llama computes {meaning} ({key}={want!r})")
+            raise config_error(
+                key, f"{config[key]!r} is not supported", f"eqxpar's Llama computes {meaning} ({key}={want!r})"
+            )
     architectures = config.get("architectures")
     if architectures is not None and list(architectures) != ["LlamaForCausalLM"]:
-        raise _fail(
+        raise config_error(
             "architectures",
             f"{architectures!r} is not supported",
             "load_hf builds a LlamaForCausalLM (architectures ['LlamaForCausalLM'])",
         )
-    known = set(_INFORMATIONAL) | set(_SIZES) | set(_OPTIONAL) | set(_FIXED)
+    known = set(INFORMATIONAL_KEYS) | set(_SIZES) | set(_OPTIONAL) | set(_FIXED)
     known |= {"rope_parameters", "rope_theta", "rope_scaling"} | set(ignore_keys)
     unknown = sorted(set(config) - known)
     if unknown:
-        raise _fail(
+        raise config_error(
             unknown[0],
             "unknown to eqxpar's Llama loader",
             f"if it does not change the computation, pass ignore_keys=[{unknown[0]!r}] (unknown keys: {unknown})",
@@ -145,7 +149,7 @@ def llama_config_from_hf(config: Mapping[str, Any], ignore_keys: Iterable[str] =
     fields: dict[str, Any] = {}
     for key, field in _SIZES.items():
         if key not in config:
-            raise _fail(key, "missing", "every Llama config.json gives it")
+            raise config_error(key, "missing", "every Llama config.json gives it")
         fields[field] = config[key]
     for key, (field, default) in _OPTIONAL.items():
         value = config.get(key, default)
@@ -153,38 +157,40 @@ def llama_config_from_hf(config: Mapping[str, Any], ignore_keys: Iterable[str] =
     for key in list(_SIZES) + ["num_key_value_heads", "head_dim", "max_position_embeddings"]:
         value = fields[_SIZES[key] if key in _SIZES else _OPTIONAL[key][0]]
         if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
-            raise _fail(key, f"must be a positive integer, got {value!r}", "fix the value")
+            raise config_error(key, f"must be a positive integer, got {value!r}", "fix the value")
     heads, kv = fields["num_heads"], fields["num_kv_heads"] or fields["num_heads"]
     if heads % kv:
-        raise _fail(
+        raise config_error(
             "num_key_value_heads",
             f"{kv} does not divide num_attention_heads={heads}",
             "grouped-query attention gives every key/value head the same number of query heads",
         )
     if fields["head_dim"] is None and fields["dim"] % heads:
-        raise _fail(
+        raise config_error(
             "head_dim", f"missing, and hidden_size={fields['dim']} is not a multiple of {heads} heads", "give head_dim"
         )
     if (fields["head_dim"] or fields["dim"] // heads) % 2:
-        raise _fail("head_dim", "must be even (rotary embeddings rotate pairs of channels)", "fix the value")
+        raise config_error("head_dim", "must be even (rotary embeddings rotate pairs of channels)", "fix the value")
     if not isinstance(fields["tie_embeddings"], bool):
-        raise _fail("tie_word_embeddings", f"must be true or false, got {fields['tie_embeddings']!r}", "fix the value")
+        raise config_error(
+            "tie_word_embeddings", f"must be true or false, got {fields['tie_embeddings']!r}", "fix the value"
+        )
     has_new = config.get("rope_parameters") is not None
     new_theta, new_scaling = _rope(config.get("rope_parameters"), "rope_parameters")
     old_theta, old_scaling = _rope(config.get("rope_scaling"), "rope_scaling")
     old_theta = config.get("rope_theta", old_theta)
     if has_new:
         if old_theta is not None and new_theta is not None and old_theta != new_theta:
-            raise _fail("rope_theta", f"{old_theta!r} disagrees with rope_parameters' {new_theta!r}", "keep one")
+            raise config_error("rope_theta", f"{old_theta!r} disagrees with rope_parameters' {new_theta!r}", "keep one")
         if config.get("rope_scaling") is not None and old_scaling != new_scaling:
-            raise _fail("rope_scaling", "disagrees with rope_parameters", "keep one of the two")
+            raise config_error("rope_scaling", "disagrees with rope_parameters", "keep one of the two")
         theta, scaling = (new_theta if new_theta is not None else old_theta), new_scaling
     else:
         theta, scaling = old_theta, old_scaling
     theta = 10000.0 if theta is None else theta
     for key, value in (("rope_theta", theta), ("rms_norm_eps", fields["norm_eps"])):
         if not isinstance(value, numbers.Real) or isinstance(value, bool) or value <= 0:
-            raise _fail(key, f"must be a positive number, got {value!r}", "fix the value")
+            raise config_error(key, f"must be a positive number, got {value!r}", "fix the value")
     try:
         return LlamaConfig(**fields, rope_theta=float(theta), rope_scaling=scaling)
     except ValueError as error:  # checked above; anything LlamaConfig adds, with its own words
