@@ -7,6 +7,10 @@ Needs PyTorch and transformers, which eqxpar does not depend on: skipped without
 has neither). Run by hand on 2026-11-26 with torch 2.13.0 (CPU) and transformers 5.24.0, and
 with transformers 4.46.3: all pass; logits within 1.3e-6 of the largest logit (elementwise
 rtol 1e-5), and save_hf's folders load to the same tensors bit for bit.
+
+The GPT-2 test does the same with `GPT2LMHeadModel` (tied and untied, one file and shards)
+into an eqxpar.models.GPT. It was written where torch could not be installed and has not
+been run yet; tests/test_hf_gpt2.py checks the same mapping against a numpy GPT-2.
 """
 
 import equinox as eqx
@@ -14,54 +18,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _hf_transformers_models import (  # skips without torch and transformers
+    SCALING,
+    hugging_face_gpt2,
+    hugging_face_llama,
+    torch,
+    torch_logits,
+    transformers,
+)
 from jax.sharding import PartitionSpec as P
 
 import eqxpar
 import eqxpar.nn
-from eqxpar.models import load_hf, save_hf
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-
-
-def hugging_face_llama(num_kv_heads: int, tie: bool, scaling, seed: int):
-    config = dict(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=16,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=tie,
-    )
-    if int(transformers.__version__.split(".")[0]) >= 5:
-        rope = {"rope_type": "default"} if scaling is None else {"rope_type": "llama3", **scaling}
-        config["rope_parameters"] = {**rope, "rope_theta": 10000.0}
-    else:
-        config["rope_theta"] = 10000.0
-        config["rope_scaling"] = None if scaling is None else {"rope_type": "llama3", **scaling}
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval().float()
-    with torch.no_grad():  # weights far from their initialisation: attention far from uniform
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
-    return model
-
-
-def torch_logits(model, tokens: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens)).logits.float().numpy()
+from eqxpar.models import GPT, load_hf, save_hf
 
 
 def eqxpar_logits(model, mesh, tokens: np.ndarray) -> np.ndarray:
     specs = eqxpar.nn.partition_specs(model, mesh)  # computes split over `model` (an fsdp layout is moved)
     batch = "data" if "data" in mesh.shape else None
     forward = eqxpar.filter_shard_map(
-        lambda m, t: m(t), mesh=mesh, in_specs=(specs, P(batch)), out_specs=P(batch, None, "model")
+        lambda m, t: m(t, inference=True) if isinstance(m, GPT) else m(t),
+        mesh=mesh,
+        in_specs=(specs, P(batch)),
+        out_specs=P(batch, None, "model"),
     )
     with jax.default_matmul_precision("highest"):
         return np.asarray(eqx.filter_jit(forward)(model, jnp.asarray(tokens, jnp.int32)))
@@ -114,3 +93,37 @@ def test_bfloat16_checkpoints_of_transformers(tmp_path):
     back = transformers.LlamaForCausalLM.from_pretrained(out)  # 5.x: bfloat16 (dtype "auto"); 4.x: float32
     for name, tensor in state.items():  # the bfloat16 values, exactly
         assert tensor.dtype == torch.bfloat16 and torch.equal(back.state_dict()[name].to(torch.bfloat16), tensor), name
+
+
+@pytest.mark.parametrize(
+    "tie, shard_size, sizes, strategy",
+    [
+        (True, None, {"model": 1}, "replicated"),
+        (False, "20KB", {"model": 2}, "tensor"),
+        (True, None, {"data": 2, "model": 2}, "tensor"),
+        (False, None, {"fsdp": 4, "model": 1}, "fsdp"),
+    ],
+)
+def test_transformers_gpt2_folders_in_and_out(tmp_path, tie, shard_size, sizes, strategy):
+    reference = hugging_face_gpt2(tie, seed=len(sizes) + tie)
+    kwargs = {} if shard_size is None else {"max_shard_size": shard_size}
+    reference.save_pretrained(tmp_path / "hf", **kwargs)
+    tokens = np.random.default_rng(5).integers(0, 50, (4, 16))
+    want = torch_logits(reference, tokens)
+
+    mesh = eqxpar.make_mesh(**sizes)
+    model, _ = load_hf(tmp_path / "hf", mesh, strategy=strategy)
+    assert isinstance(model, GPT)
+    got = eqxpar_logits(model, mesh, tokens)[..., :50]  # the padding ids' columns dropped
+    scale = np.abs(want).max()
+    print(f"GPT-2 {sizes} {strategy}: largest logit error {np.abs(got - want).max() / scale:.1e} of the largest logit")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * scale)
+
+    out = save_hf(model, tmp_path / "eqxpar", max_shard_bytes=2**31 if shard_size is None else 20_000)
+    back = transformers.GPT2LMHeadModel.from_pretrained(out).eval().float()
+    assert back.config.tie_word_embeddings == tie
+    original, loaded = reference.state_dict(), back.state_dict()
+    assert set(original) == set(loaded)
+    for name, tensor in original.items():  # every tensor bit for bit
+        np.testing.assert_array_equal(loaded[name].numpy(), tensor.numpy(), err_msg=name)
+    np.testing.assert_array_equal(torch_logits(back, tokens), want)

@@ -12,45 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _hf_transformers_models import SCALING, hugging_face_llama, torch_logits  # skips without torch
 from jax.sharding import PartitionSpec as P
 
 import eqxpar
 import eqxpar.nn
 from eqxpar.models import Llama, LlamaConfig, rope_frequencies
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-
-
-def hugging_face_llama(num_kv_heads: int, tie: bool, scaling):
-    config = dict(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=16,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=tie,
-        attention_bias=False,
-        mlp_bias=False,
-        hidden_act="silu",
-    )
-    if int(transformers.__version__.split(".")[0]) >= 5:
-        rope = {"rope_type": "default"} if scaling is None else {"rope_type": "llama3", **scaling}
-        config["rope_parameters"] = {**rope, "rope_theta": 10000.0}
-    else:
-        config["rope_theta"] = 10000.0
-        config["rope_scaling"] = None if scaling is None else {"rope_type": "llama3", **scaling}
-    torch.manual_seed(num_kv_heads)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval().float()
-    with torch.no_grad():  # weights far from their initialisation: attention far from uniform
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
-    return model
 
 
 def load(model: Llama, state: dict) -> Llama:
@@ -82,7 +49,7 @@ def load(model: Llama, state: dict) -> Llama:
     "num_kv_heads, tie, scaling", [(2, False, None), (1, True, SCALING), (8, False, SCALING), (4, True, None)]
 )
 def test_equals_hugging_face_llama(num_kv_heads, tie, scaling):
-    reference = hugging_face_llama(num_kv_heads, tie, scaling)
+    reference = hugging_face_llama(num_kv_heads, tie, scaling, seed=num_kv_heads)
     config = LlamaConfig(
         vocab_size=64,
         dim=32,
@@ -99,8 +66,7 @@ def test_equals_hugging_face_llama(num_kv_heads, tie, scaling):
     inv_freq = reference.model.rotary_emb.inv_freq.detach().float().numpy()
     np.testing.assert_array_equal(rope_frequencies(4, 10000.0, config.scaling), inv_freq)
     tokens = np.random.default_rng(num_kv_heads).integers(0, 64, (3, 16))
-    with torch.no_grad():
-        want = reference(torch.tensor(tokens)).logits.float().numpy()
+    want = torch_logits(reference, tokens)
     mesh = eqxpar.make_mesh(model=1)
     specs = eqxpar.nn.partition_specs(model, mesh)
     forward = eqxpar.filter_shard_map(
