@@ -63,7 +63,7 @@ def test_plans_the_small_gpt_on_8_devices():
         assert t.overlap <= t.expected * (1 + 1e-12) and t.expected <= t.no_overlap * (1 + 1e-12)
         assert p.reason and p.fits
     text = eqxpar.plan.table(plans[:3])
-    assert "step ms" in text and str(plans[0].layout) in text
+    assert "step us" in text and str(plans[0].layout) in text  # a toy: microseconds
 
 
 def _divides(p, batch, seq, config):
@@ -250,3 +250,36 @@ def test_a_plan_is_a_value():
     (p,) = small_plans(top=1)
     assert dataclasses.replace(p) == p
     assert p.comm.bytes() >= 0 and p.flops > 0
+
+
+def test_plans_without_sequence_parallelism_when_asked():
+    plans = small_plans(axes=("data", "model"), sequence_parallel=(False,))
+    assert plans and not any(p.layout.sequence_parallel for p in plans)
+    every = small_plans(axes=("data", "model"))
+    assert {str(p.layout) for p in plans} == {str(p.layout) for p in every if not p.layout.sequence_parallel}
+    with pytest.raises(ValueError, match="sequence_parallel must be a non-empty subset"):
+        small_plans(sequence_parallel=())
+
+
+def test_the_smallest_batch_named_is_one_the_axes_asked_for_divide():
+    # 3 heads on 8 devices: over data x model only data=8 works, so the batch needs 8 rows
+    # (with a context axis any batch would do: context=8 runs batch 4 whole).
+    three = GPTConfig(context=16, dim=48, heads=3, layers=2)
+    assert small_plans(three, batch=4)
+    with pytest.raises(ValueError, match="over data x model divides batch=4 .* layout divides is 8"):
+        small_plans(three, batch=4, axes=("data", "model"))
+    for batch in (5, 6, 7):
+        with pytest.raises(ValueError, match="divides"):
+            small_plans(three, batch=batch, axes=("data", "model"))
+    assert small_plans(three, batch=8, axes=("data", "model"))
+
+
+def test_the_table_reads_small_plans_in_small_units():
+    small = eqxpar.plan.table(small_plans(top=2))
+    assert "step us" in small and "peak MB" in small and "MB of 1 GB" in small
+    big = eqxpar.plan.table(plan(gpt_config("1.3b"), batch=64, cluster="h100", top=2, axes=("data",), remats=("none",)))
+    assert "step ms" in big and "comm GB  peak GB" in big and "GB/step" in big
+    (p,) = small_plans(top=1)
+    seconds, nbytes = p.time.expected, p.memory.peak
+    assert f"{seconds * 1e6:.1f}" in small and f"{nbytes / 1e6:.1f}" in small
+    assert p.row()[1] == f"{seconds * 1e3:.1f}"  # Plan.row's defaults stay ms and GB

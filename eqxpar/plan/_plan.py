@@ -75,25 +75,54 @@ class Plan:
         and with a context axis reordered into zigzag layout and cut into inputs and targets."""
         return build_batch(self.layout, tokens, mesh)
 
-    def row(self) -> tuple[str, ...]:
-        """The plan as a row of [`eqxpar.plan.table`][]."""
+    def comm_in_dtype(self) -> CommTheory:
+        """`comm` as the step's time prices it: the activation collectives (over `model` and
+        `context`) carried in the compute dtype, the gradient and parameter collectives in
+        float32. The same as `comm` for float32 compute; with bfloat16 an approximation
+        (see docs/concepts/planner.md)."""
+        return _in_dtype(self.comm, np.float32, self.dtype)
+
+    def row(self, seconds: float = 1e-3, nbytes: float = GB) -> tuple[str, ...]:
+        """The plan as a row of [`eqxpar.plan.table`][], times in units of `seconds` (ms by
+        default) and bytes in units of `nbytes` (GB by default)."""
         t, m = self.time, self.memory
         return (
             str(self.layout),
-            f"{t.expected * 1e3:.1f}",
-            f"{t.overlap * 1e3:.1f}-{t.no_overlap * 1e3:.1f}",
-            f"{t.compute * 1e3:.1f}",
-            f"{self.comm.bytes() / GB:.2f}",
-            f"{m.peak / GB:.1f}",
+            f"{t.expected / seconds:.1f}",
+            f"{t.overlap / seconds:.1f}-{t.no_overlap / seconds:.1f}",
+            f"{t.compute / seconds:.1f}",
+            f"{self.comm.bytes() / nbytes:.2f}",
+            f"{m.peak / nbytes:.1f}",
             self.reason,
         )
 
 
+TIME_UNITS = (("ms", 1e-3), ("us", 1e-6))
+BYTE_UNITS = (("GB", GB), ("MB", 1e6), ("KB", 1e3))
+
+
+def _unit(largest: float, units: tuple[tuple[str, float], ...], least: float = 0.1) -> tuple[str, float]:
+    """The first of `units` in which `largest` reads as at least `least` (the last one else)."""
+    return next((u for u in units if largest >= least * u[1]), units[-1])
+
+
 def table(plans: Sequence[Plan]) -> str:
     """The plans as a text table: layout, expected step time, its bounds, compute time,
-    collective GB per device and step, predicted peak GB per device, and the reason."""
-    head = ("layout", "step ms", "bounds ms", "compute ms", "comm GB", "peak GB", "why")
-    rows = [head] + [p.row() for p in plans]
+    collective bytes per device and step, predicted peak bytes per device, and the reason.
+    Times are in ms and bytes in GB, or in us (steps under 10 ms), MB or KB where the plans
+    are that small."""
+    time_name, seconds = _unit(max((p.time.no_overlap for p in plans), default=1.0), TIME_UNITS, least=10)
+    byte_name, nbytes = _unit(max((p.memory.peak for p in plans), default=GB), BYTE_UNITS)
+    head = (
+        "layout",
+        f"step {time_name}",
+        f"bounds {time_name}",
+        f"compute {time_name}",
+        f"comm {byte_name}",
+        f"peak {byte_name}",
+        "why",
+    )
+    rows = [head] + [p.row(seconds, nbytes) for p in plans]
     widths = [max(len(r[i]) for r in rows) for i in range(len(head) - 1)]
     lines = []
     for r in rows:
@@ -137,6 +166,7 @@ def plan(
     pad_vocab_to_multiple_of: int = 128,
     remats: Sequence[str] = REMATS,
     axes: Sequence[str] = AXES,
+    sequence_parallel: Sequence[bool] = (False, True),
     include_infeasible: bool = False,
 ) -> list[Plan]:
     """The fastest layouts of a GPT train step that fit the cluster, best first.
@@ -167,6 +197,8 @@ def plan(
     - `remats`: the remat policies to consider.
     - `axes`: the mesh axes a plan may use (default all four; e.g. `("data", "model")` for
       a recipe that builds only those).
+    - `sequence_parallel`: the sequence-parallelism choices to consider (`(False,)` for a
+      caller whose model must also run whole sequences, e.g. to sample from it).
     - `include_infeasible`: also return the plans that do not fit (after those that do).
 
     **Returns:**
@@ -197,18 +229,22 @@ def plan(
         raise ValueError(f"plan: remats must be a non-empty subset of {REMATS}, got {tuple(remats)!r}.")
     if not axes or any(a not in AXES for a in axes):
         raise ValueError(f"plan: axes must be a non-empty subset of {AXES}, got {tuple(axes)!r}.")
+    if not sequence_parallel or any(not isinstance(sp, bool) for sp in sequence_parallel):
+        raise ValueError(
+            f"plan: sequence_parallel must be a non-empty subset of (False, True), got {tuple(sequence_parallel)!r}."
+        )
     opt = _optimizer(optimizer)
     clear_caches()  # caches keyed by object ids live for one call
     clear_checks()
     plans = []
     for layout in layouts(cluster.devices, tuple(axes)):
-        if layout.remat not in remats:
+        if layout.remat not in remats or (layout.model > 1 and layout.sequence_parallel not in sequence_parallel):
             continue
         priced = price(layout, config, batch, seq, cluster, opt, dtype, vocab_size, pad_vocab_to_multiple_of)
         if priced is not None:
             plans.append(priced)
     if not plans:
-        raise ValueError(_no_layout(config, batch, seq, cluster, vocab_size, pad_vocab_to_multiple_of))
+        raise ValueError(_no_layout(config, batch, seq, cluster, vocab_size, pad_vocab_to_multiple_of, tuple(axes)))
     fitting = [p for p in plans if p.fits]
     if not fitting and not include_infeasible:
         least = min(plans, key=lambda p: p.memory.peak)
@@ -261,7 +297,7 @@ def price(
     comm = comm_theory(gpt, mesh, layout, specs, batch, seq)
     mem = memory(gpt, mesh, layout, specs, optimizer, batch, seq, dtype, cluster.fused_attention)
     flops = flops_per_device(gpt, layout, batch, seq)
-    time, _ = step_time(_in_dtype(comm, gpt, dtype), flops, layout, cluster, dtype)
+    time, _ = step_time(_in_dtype(comm, gpt.position_embedding.weight.dtype, dtype), flops, layout, cluster, dtype)
     return Plan(
         layout=layout,
         comm=comm,
@@ -280,10 +316,10 @@ def price(
     )
 
 
-def _in_dtype(comm: CommTheory, gpt: GPT, dtype: Any) -> CommTheory:
+def _in_dtype(comm: CommTheory, param_dtype: Any, dtype: Any) -> CommTheory:
     """The activation collectives (over `model` and `context`) carried in the compute dtype:
     the theory counts the parameters' dtype; gradients and parameters keep it."""
-    ratio = np.dtype(dtype).itemsize / np.dtype(gpt.position_embedding.weight.dtype).itemsize
+    ratio = np.dtype(dtype).itemsize / np.dtype(param_dtype).itemsize
     if ratio == 1:
         return comm
     terms = tuple(
@@ -297,13 +333,18 @@ def _reason(p: Plan, index: int, ranked: list[Plan], cluster: Cluster) -> str:
     t = p.time
     _, classes = step_time(p.comm, p.flops, p.layout, cluster, p.dtype)
     share = t.compute / t.expected if t.expected else 1.0
-    memory = f"peak {p.memory.peak / GB:.1f} of {cluster.memory_per_device / GB:.0f} GB"
+    memory = _peak_text(p.memory.peak, cluster.memory_per_device)
     if not p.fits:
         return f"does not fit: {memory}"
     if not classes or classes[0][0] == 0:
         return f"no communication; compute is the step; {memory}"
     seconds, kind, axes, nbytes, link = classes[0]
-    biggest = f"largest: {kind} over {','.join(axes)} {nbytes / GB:.2f} GB/step {link} ({seconds * 1e3:.1f} ms)"
+    amount, unit = _unit(nbytes, BYTE_UNITS)
+    duration, scale = _unit(seconds, TIME_UNITS)
+    biggest = (
+        f"largest: {kind} over {','.join(axes)} {nbytes / unit:.2f} {amount}/step {link} "
+        f"({seconds / scale:.1f} {duration})"
+    )
     lead = "compute-bound" if share >= 0.5 else "communication-bound"
     if index and ranked[0].fits:
         slower = t.expected / ranked[0].time.expected - 1
@@ -311,11 +352,19 @@ def _reason(p: Plan, index: int, ranked: list[Plan], cluster: Cluster) -> str:
     return f"{lead} ({share:.0%} compute); {biggest}; {memory}"
 
 
-def _no_layout(config, batch, seq, cluster, vocab_size, pad) -> str:
-    """The message for a batch (and sequence) no layout divides, naming the smallest batch
-    above `batch` that one would."""
+def _peak_text(peak: float, memory: float) -> str:
+    """ "peak 60.7 of 80 GB" (MB or KB for a peak below 0.1 GB)."""
+    if peak >= 0.1 * GB:
+        return f"peak {peak / GB:.1f} of {memory / GB:.0f} GB"
+    name, unit = _unit(peak, BYTE_UNITS)
+    return f"peak {peak / unit:.1f} {name} of {memory / GB:g} GB"
+
+
+def _no_layout(config, batch, seq, cluster, vocab_size, pad, axes) -> str:
+    """The message for a batch (and sequence) no layout over `axes` divides, naming the
+    smallest batch above `batch` that one would."""
     candidates = []
-    for lay in layouts(cluster.devices):
+    for lay in layouts(cluster.devices, axes):
         if lay.remat == "block" and not lay.sequence_parallel and lay.attention in ("dot_product", "ring"):
             gpt = abstract_gpt(
                 config,
@@ -329,7 +378,8 @@ def _no_layout(config, batch, seq, cluster, vocab_size, pad) -> str:
     for larger in range(batch + 1, batch * cluster.devices + cluster.devices + 1):
         if any(rule_out(lay, gpt, larger, seq) is None for lay, gpt in candidates):
             return (
-                f"plan: no layout of {cluster.devices} devices divides batch={batch} (seq={seq}) for {config}: the "
+                f"plan: no layout of {cluster.devices} devices over {' x '.join(axes)} divides batch={batch} "
+                f"(seq={seq}) for {config}: the "
                 f"batch must split over data x fsdp, and the other devices over model (heads, MLP width, "
                 f"vocabulary) and context (the sequence, in 2 x context chunks). The smallest batch above it that a "
                 f"layout divides is {larger}."
