@@ -1,12 +1,11 @@
-"""A tiny model with a MixtureOfExperts layer trained by eqxpar's own data-parallel step over
-`data x expert`: the same losses (cross-entropy plus the auxiliary losses), gradients and
-parameters after two SGD-with-momentum steps as one device, and the all-to-all bytes of the
-theory in the compiled step.
+"""A tiny model with a MixtureOfExperts layer trained by eqxpar's step builders with
+`expert_axis="expert"`: the batch split over `data x expert`, each device routing its own
+sequences and holding its experts. The same losses (cross-entropy plus the auxiliary
+losses), gradients and parameters after two SGD-with-momentum steps as one device; the
+all-to-all bytes of the theory in the compiled step; bad input named before compile.
 
-The step splits the batch over `data`; the experts are split over `expert` by the layer's
-specs, and the tokens reach the MoE layer the same on every device of `expert`: each device
-routes its block of the groups and an all-gather returns every output (the layer's
-replicated-input mode).
+`expert_parity` (the one-device reference against a builder's step with an expert axis)
+is shared with tests/test_moe_gpt.py.
 """
 
 import functools
@@ -20,12 +19,13 @@ import pytest
 from _budget import examples
 from hypothesis import example, given
 from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
 
 import eqxpar
 from eqxpar import nn
 from eqxpar.inspect import CommReport, expert_parallel_theory
-from eqxpar.testing import check_parallel_parity, mesh_sizes
-from eqxpar.train import data_parallel_step, optimizer_specs, shard_batch
+from eqxpar.testing import F32_ATOL, F32_RTOL, assert_trees_close, mesh_sizes
+from eqxpar.train import data_parallel_step, fsdp_step, hybrid_step, shard_batch
 
 VOCAB, DIM, HIDDEN, SEQ = 16, 8, 16, 6
 meshes = mesh_sizes(("data", "expert")).filter(lambda s: s["data"] <= 2)
@@ -38,10 +38,12 @@ class TinyMoEModel(eqx.Module):
     moe: nn.MixtureOfExperts
     head: eqx.nn.Linear
 
-    def __init__(self, experts, top_k, capacity_factor, *, key):
+    def __init__(self, experts, top_k, capacity_factor, *, key, axis_name="expert"):
         k1, k2, k3 = jax.random.split(key, 3)
         self.embedding = eqx.nn.Embedding(VOCAB, DIM, key=k1)
-        self.moe = nn.MixtureOfExperts(DIM, HIDDEN, experts, top_k, capacity_factor=capacity_factor, key=k2)
+        self.moe = nn.MixtureOfExperts(
+            DIM, HIDDEN, experts, top_k, capacity_factor=capacity_factor, axis_name=axis_name, key=k2
+        )
         self.head = eqx.nn.Linear(DIM, VOCAB, key=k3)
 
     def __call__(self, tokens):
@@ -65,6 +67,86 @@ def token_batch(size, seed):
     return tokens, np.roll(tokens, -1, axis=1)
 
 
+def _copy(tree):
+    return jax.tree.map(lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, tree)
+
+
+def expert_parity(
+    model,
+    loss_fn,
+    mesh,
+    batch,
+    *,
+    builder=data_parallel_step,
+    steps=2,
+    rtol=F32_RTOL,
+    atol=F32_ATOL,
+    param_specs="partition",
+    **step_options,
+):
+    """Train `model` `steps` SGD-with-momentum steps with `builder(..., expert_axis="expert")`
+    on `mesh` and on one device (plain `eqx.filter_value_and_grad` in a one-device
+    shard_map with the same axis names, all of size 1), and assert the losses, the first
+    step's gradients and the parameters after the last step agree. Returns the largest
+    relative differences seen, `{"loss": ..., "gradients": ..., "parameters": ...}`."""
+    optimizer = optax.sgd(0.05, momentum=0.9)
+    one = eqxpar.make_mesh(**dict.fromkeys(mesh.axis_names, 1))
+    per_device = eqxpar.filter_shard_map(lambda m, b: loss_fn(m, b, None), mesh=one, in_specs=(P(), P()), out_specs=P())
+
+    @eqx.filter_jit
+    def dense_step(model, opt_state, batch):
+        loss, grads = eqx.filter_value_and_grad(per_device)(model, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
+        return eqx.apply_updates(model, updates), opt_state, loss, grads
+
+    dense = _copy(model)
+    dense_opt = optimizer.init(eqx.filter(dense, eqx.is_inexact_array))
+    dense_losses = []
+    for i in range(steps):
+        dense, dense_opt, loss, grads = dense_step(dense, dense_opt, batch)
+        dense_losses.append(loss)
+        if i == 0:
+            dense_grads = grads
+
+    # The parallel step, its optimizer keeping the gradient it was given in its state.
+    keeping = optax.GradientTransformation(
+        lambda params: (jax.tree.map(jnp.zeros_like, params), optimizer.init(params)),
+        lambda updates, state, params=None: (
+            optimizer.update(updates, state[1], params)[0],
+            (updates, optimizer.update(updates, state[1], params)[1]),
+        ),
+    )
+    if param_specs == "partition":
+        step_options["param_specs"] = nn.partition_specs(model, mesh)
+    step = builder(loss_fn, keeping, mesh, expert_axis="expert", **step_options)
+    parallel, opt_state = step.init(_copy(model))
+    placed = shard_batch(batch, mesh, batch_axis=step.batch_axis)
+    losses = []
+    for i in range(steps):
+        parallel, opt_state, metrics = step(parallel, opt_state, placed)
+        losses.append(metrics["loss"])
+        if i == 0:
+            grads = _copy(opt_state[0])
+
+    def worst(a, b):
+        pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b))
+        return max(
+            float(np.max(np.abs(np.asarray(x) - np.asarray(y)) / (np.abs(np.asarray(y)) + atol))) for x, y in pairs
+        )
+
+    dense_params = eqx.filter(dense, eqx.is_inexact_array)
+    parallel_params = eqx.filter(parallel, eqx.is_inexact_array)
+    assert_trees_close(jnp.stack(losses), jnp.stack(dense_losses), rtol=rtol, atol=atol, what="losses")
+    assert_trees_close(grads, dense_grads, rtol=rtol, atol=atol, what="gradients")
+    assert_trees_close(parallel_params, dense_params, rtol=rtol, atol=atol, what="parameters")
+    assert float(losses[-1]) < float(losses[0])
+    return {
+        "loss": worst(losses, dense_losses),
+        "gradients": worst(grads, dense_grads),
+        "parameters": worst(parallel_params, dense_params),
+    }
+
+
 @examples(2)  # and the two pinned below: each example compiles a parallel and a one-device step
 @given(
     sizes=meshes,
@@ -75,28 +157,37 @@ def token_batch(size, seed):
 )
 @example(sizes={"data": 2, "expert": 4}, experts_per_device=1, top_k=2, capacity_factor=0.5, seed=1)
 @example(sizes={"data": 1, "expert": 8}, experts_per_device=1, top_k=2, capacity_factor=None, seed=2)
-def test_data_parallel_step_over_data_and_expert_equals_one_device(
-    sizes, experts_per_device, top_k, capacity_factor, seed
-):
+def test_step_with_an_expert_axis_equals_one_device(sizes, experts_per_device, top_k, capacity_factor, seed):
     mesh = eqxpar.make_mesh(**sizes)
     experts = sizes["expert"] * experts_per_device
     model = TinyMoEModel(experts, min(top_k, experts), capacity_factor, key=jax.random.key(seed))
-    batch = token_batch(2 * sizes["data"] * sizes["expert"], seed)
-    report = check_parallel_parity(model, model, loss_fn, optax.sgd(0.1, momentum=0.9), mesh, batch, steps=2)
-    assert len(report.losses) == 2 and report.losses[1] < report.losses[0]
+    expert_parity(model, loss_fn, mesh, token_batch(2 * sizes["data"] * sizes["expert"], seed))
+
+
+@pytest.mark.thorough
+@pytest.mark.parametrize("builder", [hybrid_step, fsdp_step])
+def test_hybrid_and_fsdp_steps_take_an_expert_axis(builder):
+    """The same on the two other builders: fsdp_step splits the router, embedding and head
+    over `fsdp` as well (gathered, reduce-scattered) and keeps the experts on their devices."""
+    if builder is hybrid_step:
+        mesh = eqxpar.make_mesh(data=2, expert=2, model=2)
+        options = {}
+    else:
+        mesh = eqxpar.make_mesh(fsdp=2, expert=4)
+        options = {"batch_axis": "fsdp", "param_specs": None}
+    model = TinyMoEModel(4, 2, 1.0, key=jax.random.key(3))
+    expert_parity(model, loss_fn, mesh, token_batch(16, 3), builder=builder, **options)
 
 
 @functools.cache
 def _compiled_step(sizes: tuple):
     mesh = eqxpar.make_mesh(**dict(sizes))
     model = TinyMoEModel(8, 2, 1.25, key=jax.random.key(0))
-    specs = nn.partition_specs(model, mesh)
-    optimizer = optax.sgd(0.1, momentum=0.9)
-    step = data_parallel_step(loss_fn, optimizer, mesh, param_specs=specs)
-    opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
-    opt_state = eqxpar.shard(opt_state, mesh, optimizer_specs(optimizer, opt_state, model, specs))
-    batch = shard_batch(token_batch(16, 0), mesh, batch_axis="data")
-    lowered = step.lower(eqxpar.shard(model, mesh, specs), opt_state, batch)
+    step = data_parallel_step(
+        loss_fn, optax.sgd(0.1, momentum=0.9), mesh, param_specs=nn.partition_specs(model, mesh), expert_axis="expert"
+    )
+    placed, opt_state = step.init(model)
+    lowered = step.lower(placed, opt_state, shard_batch(token_batch(16, 0), mesh, batch_axis=step.batch_axis))
     return mesh, model, lowered, lowered.compile()
 
 
@@ -104,22 +195,79 @@ def _compiled_step(sizes: tuple):
 def test_the_step_sends_the_all_to_all_bytes_of_the_theory(sizes):
     mesh, model, lowered, compiled = _compiled_step(sizes)
     report = CommReport.of(lowered, compiled)
+    # The layer's input (the embedding lookup) has a gradient: four all-to-alls.
     theory = expert_parallel_theory(
-        mesh,
-        groups=16,
-        capacity=model.moe.capacity(SEQ),
-        dim=DIM,
-        num_experts=8,
-        batch_axis=tuple(mesh.axis_names),  # each device routes 16 / (data x expert) groups
+        mesh, groups=16, capacity=model.moe.capacity(SEQ), dim=DIM, num_experts=8, batch_axis=("data", "expert")
     )
     comparison = report.versus(theory)
     for stage in ("lowered", "compiled"):
         assert report.count("all-to-all", stage=stage) == 4, str(report)
         assert report.bytes("all-to-all", axes="expert", stage=stage) == theory.bytes("all-to-all") > 0
         assert comparison.ratio("all-to-all", stage=stage) == 1.0
+    # No all-gather of the MoE's outputs (the replicated-input mode) and no all-reduce of the
+    # experts' gradients over `expert`: each device keeps its experts' gradients.
+    assert report.count("all-gather", stage="lowered") == 0, str(report)
+
+
+def test_experts_gradients_are_not_summed_over_the_expert_axis():
+    """The lowered step sums the experts' gradients over `data` only: every all-reduce of
+    expert-sized arrays names `data` alone."""
+    mesh, model, lowered, _ = _compiled_step((("data", 2), ("expert", 4)))
+    report = CommReport.of(lowered)
+    expert_bytes = 2 * DIM * HIDDEN * 4 + HIDDEN * DIM * 4  # gate, up, down of this device's 2 experts
+    assert report.bytes("all-reduce", axes="data", stage="lowered") >= expert_bytes
+    everywhere = report.bytes("all-reduce", axes=("data", "expert"), stage="lowered")
+    # Over both axes: the loss, router, embedding and head gradients, and the norm: no experts.
+    dense_bytes = 4 * (1 + DIM * 8 + VOCAB * DIM + VOCAB * DIM + VOCAB)
+    assert 0 < everywhere <= dense_bytes + 64, str(report)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (
+            lambda: (eqxpar.make_mesh(data=8), TinyMoEModel(8, 2, 1.0, key=jax.random.key(0))),
+            r"expert_axis='expert', but the mesh has no 'expert' axis .* eqxpar.make_mesh\(data=2, expert=4\)",
+        ),
+        (
+            lambda: (eqxpar.make_mesh(data=2, expert=4), TinyMoEModel(6, 2, 1.0, key=jax.random.key(0))),
+            r"num_experts=6 is not divisible by the size 4 of the expert axis 'expert'.*Choose num_experts a multiple",
+        ),
+        (
+            lambda: (
+                eqxpar.make_mesh(data=2, expert=4),
+                TinyMoEModel(8, 2, 1.0, key=jax.random.key(0), axis_name="data"),
+            ),
+            r"splits its experts over 'data', but the step's expert_axis is 'expert'.*axis_name='expert'",
+        ),
+    ],
+)
+def test_bad_expert_input_is_named_before_compile(make, message):
+    mesh, model = make()
+    with pytest.raises(ValueError, match=message):
+        step = data_parallel_step(loss_fn, optax.sgd(0.1), mesh, expert_axis="expert")
+        step.init(model)
+
+
+def test_expert_axis_in_the_batch_axes_or_not_a_name():
+    mesh = eqxpar.make_mesh(data=2, expert=4)
+    with pytest.raises(ValueError, match=r"also in batch_axis.*Pass batch_axis='data' and expert_axis='expert'"):
+        data_parallel_step(loss_fn, optax.sgd(0.1), mesh, batch_axis=("data", "expert"), expert_axis="expert")
+    with pytest.raises(ValueError, match=r"expert_axis must be one mesh axis name"):
+        hybrid_step(loss_fn, optax.sgd(0.1), eqxpar.make_mesh(data=2, model=4), expert_axis=("expert",))
+
+
+def test_experts_on_a_batch_axis_without_expert_axis():
+    mesh = eqxpar.make_mesh(fsdp=2, expert=4)
+    model = TinyMoEModel(8, 2, 1.0, key=jax.random.key(0))
+    step = fsdp_step(loss_fn, optax.sgd(0.1), mesh, batch_axis=("fsdp", "expert"))
+    with pytest.raises(ValueError, match=r"also a batch axis of the step.*expert_axis='expert'"):
+        step.init(model)
 
 
 def test_replicated_groups_must_split_over_the_expert_axis():
+    """Without an expert axis in the step, the batch is the same on every device of
+    `expert` and the layer routes a block of it on each (its replicated-input mode)."""
     mesh = eqxpar.make_mesh(data=1, expert=4)
     model = TinyMoEModel(4, 2, 1.0, key=jax.random.key(0))
     step = data_parallel_step(loss_fn, optax.sgd(0.1), mesh, param_specs=nn.partition_specs(model, mesh))

@@ -38,6 +38,7 @@ from ._llama_config import LLAMA_CONFIGS, LlamaConfig, LlamaRopeScaling, llama_c
 from ._llama_layers import LlamaAttention, LlamaBlock, LlamaMLP, RMSNorm, apply_rotary, rope_frequencies
 from ._llama_theory import llama_tensor_parallel_theory
 from ._memory import gpt_activation_theory
+from ._moe_block import MoEBlock, MoEOptions, moe_aux_loss
 from ._stages import gpt_stages
 
 __all__ = [
@@ -59,6 +60,9 @@ __all__ = [
     "GPT_CONFIGS",
     "gpt_config",
     "gpt_stages",
+    "MoEOptions",
+    "MoEBlock",
+    "moe_aux_loss",
     "Llama",
     "LlamaConfig",
     "LlamaRopeScaling",

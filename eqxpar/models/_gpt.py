@@ -22,6 +22,7 @@ from ..nn import (
 )
 from ..nn._attention import ATTENTION_IMPLS
 from ._block import REMAT_CHOICES, Remat, TransformerBlock, remat_wrapper, sequence_dropout, split_keys
+from ._moe_block import MoEBlock, MoEOptions, check_model_axis_size, check_moe, gpt_blocks, moe_aux_loss, run_blocks
 
 __all__ = ["GPT", "next_token_loss", "stack_blocks", "unstack_blocks"]
 
@@ -69,7 +70,7 @@ class GPT(TensorParallelLayer):
 
     token_embedding: VocabParallelEmbedding
     position_embedding: eqx.nn.Embedding
-    blocks: tuple[TransformerBlock, ...] | StackedLayers
+    blocks: tuple[TransformerBlock | MoEBlock, ...] | StackedLayers
     final_norm: eqx.nn.LayerNorm
     head: ColumnParallelLinear
     dropout: eqx.nn.Dropout
@@ -80,6 +81,7 @@ class GPT(TensorParallelLayer):
     axis_name: str = eqx.field(static=True)
     attention_impl: str = eqx.field(static=True)
     sequence_parallel: bool = eqx.field(static=True)
+    moe: MoEOptions | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -97,6 +99,7 @@ class GPT(TensorParallelLayer):
         scan_layers: bool = False,
         remat: Remat = "none",
         sequence_parallel: bool = False,
+        moe: MoEOptions | None = None,
         axis_name: str = "model",
         key: PRNGKeyArray,
     ):
@@ -126,13 +129,17 @@ class GPT(TensorParallelLayer):
           outputs: attention is recomputed).
         - `sequence_parallel`: split the residual stream along the sequence over the model
           axis (see above); composes with context parallelism.
+        - `moe`: an [`eqxpar.models.MoEOptions`][] to put a mixture of experts in place of
+          the MLP of every `moe.every`-th block (an [`eqxpar.models.MoEBlock`][]), or None.
+          Needs `scan_layers=False` and whole sequences on each device; train it with
+          `expert_axis=moe.expert_axis` in the step builder.
         - `axis_name`: the model axis every tensor-parallel layer is split over.
         - `key`: the initialisation key.
 
         **Raises:**
 
-        - `ValueError` for a non-positive size or padding multiple, or an unknown
-          `remat` / `attention_impl`.
+        - `ValueError` for a non-positive size or padding multiple, an unknown
+          `remat` / `attention_impl`, or `moe=` with a layout it cannot run on.
         """
         for name, value in (
             ("vocab_size", vocab_size),
@@ -158,6 +165,7 @@ class GPT(TensorParallelLayer):
                 raise ValueError(f"GPT: {name} must be True or False, got {value!r}.")
         if not isinstance(axis_name, str):
             raise ValueError(f"GPT: axis_name must be a mesh axis name (a str), got {axis_name!r}.")
+        check_moe(moe, num_layers, scan_layers, sequence_parallel, attention_impl)
         padded = _padded(vocab_size, pad_vocab_to_multiple_of)
         token_key, position_key, head_key, *block_keys = jax.random.split(key, 3 + num_layers)
         # The real rows are drawn at the real size (the same weights for any padding); the
@@ -167,20 +175,8 @@ class GPT(TensorParallelLayer):
             eqx.nn.Embedding(weight=jnp.pad(table, ((0, padded - vocab_size), (0, 0)))), axis_name=axis_name
         )
         self.position_embedding = eqx.nn.Embedding(context_length, dim, key=position_key)
-        blocks = tuple(
-            TransformerBlock(
-                dim,
-                num_heads,
-                mlp_ratio,
-                dropout_p,
-                attention_impl=attention_impl,
-                attention_dropout_p=attention_dropout_p,
-                sequence_parallel=sequence_parallel,
-                axis_name=axis_name,
-                key=k,
-            )
-            for k in block_keys
-        )
+        shape = (dim, num_heads, mlp_ratio, dropout_p)
+        blocks = gpt_blocks(shape, moe, block_keys, attention_impl, attention_dropout_p, axis_name, sequence_parallel)
         self.blocks = StackedLayers(blocks, axis_name=axis_name) if scan_layers else blocks
         self.final_norm = eqx.nn.LayerNorm(dim)
         head = eqx.nn.Linear(dim, vocab_size, use_bias=False, key=head_key)
@@ -197,6 +193,7 @@ class GPT(TensorParallelLayer):
         self.axis_name = axis_name
         self.attention_impl = attention_impl
         self.sequence_parallel = bool(sequence_parallel)
+        self.moe = moe
 
     @property
     def padded_vocab_size(self) -> int:
@@ -222,7 +219,7 @@ class GPT(TensorParallelLayer):
                 f"multiple of {size}, e.g. pad_vocab_to_multiple_of="
                 f"{math.lcm(self.pad_vocab_to_multiple_of, size)}."
             )
-        TensorParallelLayer.check_axis_size(self, size, "" if where == "<root>" else where)
+        check_model_axis_size(self, size, "" if where == "<root>" else where)
 
     def to_dense(self) -> GPT:
         """The GPT with every tensor-parallel layer inside it made dense (global form only)."""
@@ -238,7 +235,8 @@ class GPT(TensorParallelLayer):
         *,
         key: PRNGKeyArray | None = None,
         inference: bool | None = None,
-    ) -> Float[Array, "*batch seq vocab_block"]:
+        return_aux: bool = False,
+    ) -> Float[Array, "*batch seq vocab_block"] | tuple[Float[Array, "*batch seq vocab_block"], tuple]:
         """Next-token logits on one device (inside `shard_map`).
 
         **Arguments:**
@@ -248,10 +246,12 @@ class GPT(TensorParallelLayer):
           same on every device of the model axis.
         - `key`: the dropout key, the same on every device of the model axis.
         - `inference`: `True` turns dropout off.
+        - `return_aux`: also return the MoE blocks' [`eqxpar.nn.MoEAux`][]s.
 
         **Returns:**
 
-        This device's block of the (padded) vocabulary's logits, shape
+        (With `return_aux`: a pair of this and a tuple of one `MoEAux` per MoE block, in
+        order; empty without `moe=`.) This device's block of the (padded) vocabulary's logits, shape
         `(*batch, seq, padded_vocab_size / N)`, `-inf` at padding ids: pass it to
         `vocab_parallel_cross_entropy`, or return it from `shard_map` with the model axis
         on its last dimension to assemble the whole logits.
@@ -266,13 +266,13 @@ class GPT(TensorParallelLayer):
             wrap = remat_wrapper(self.remat)
             if isinstance(self.blocks, StackedLayers):  # self.scan_layers
                 keys = None if key is None else jnp.stack(cast(list[Array], block_keys))
-                x = self.blocks(x, keys=keys, wrap=wrap, inference=inference, rows=rows, length=length)
+                x, auxes = self.blocks(x, keys=keys, wrap=wrap, inference=inference, rows=rows, length=length), ()
             else:
                 apply = _apply_block if wrap is None else wrap(_apply_block)
-                for i, (block, block_key) in enumerate(zip(self.blocks, block_keys)):
-                    x = apply(block, x, block_key, inference, f"block_{i}", rows, length)
+                x, auxes = run_blocks(self.blocks, x, block_keys, apply, inference, rows, length)
             with jax.named_scope("head"):
-                return head_logits(self, x)
+                logits = head_logits(self, x)
+            return (logits, auxes) if return_aux else logits
 
     def _bound_size(self, axis: str, why: str) -> int:
         """The size of mesh axis `axis`, or a ValueError naming it when it is not bound (the
@@ -370,7 +370,8 @@ def next_token_loss(
 
     Predicts `tokens[:, 1:]` from `tokens[:, :-1]`, the whole batch at once (one call of
     the model on `(batch, seq)`, no `vmap`); with a data axis as well, each device averages
-    its own examples and the train step takes the `pmean` over the data axis itself.
+    its own examples and the train step takes the `pmean` over the data axis itself. A GPT
+    with `moe=` adds its routers' auxiliary losses ([`eqxpar.models.moe_aux_loss`][]).
 
     **Arguments:**
 
@@ -384,9 +385,10 @@ def next_token_loss(
     model axis.
     """
     inputs, targets = tokens[..., :-1], tokens[..., 1:]
-    logits = model(inputs, key=key)
+    logits, auxes = model(inputs, key=key, return_aux=True)
     with jax.named_scope("loss"):
-        return mean_cross_entropy(model, logits, targets)
+        loss = mean_cross_entropy(model, logits, targets)
+        return loss + moe_aux_loss(model, auxes) if auxes else loss
 
 
 def stack_blocks(model: GPT) -> GPT:

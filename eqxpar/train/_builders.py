@@ -28,10 +28,12 @@ from ._checks import (
     check_batch_divides,
     check_batch_norms,
     check_builder,
+    check_experts,
     check_model_axes,
     check_sequence_divides,
     check_units,
     context_split,
+    expert_batch_axes,
 )
 from ._fsdp import fsdp_specs
 from ._gradients import leaf_plans, per_device_gradients
@@ -58,10 +60,15 @@ def _build(
     units: Callable | None = None,
     remat: bool = False,
     context_axis: str | None = None,
+    expert_axis: str | None = None,
 ) -> TrainStep:
     """The one step every builder returns; `param_specs(model)` gives the prefix spec tree."""
+    # With an expert axis the batch is split over it too (after the batch axes): from here
+    # on it is one more batch axis, except for the leaves split over it (see leaf_plans).
+    batch_axis = expert_batch_axes(who, mesh, batch_axis, expert_axis)
     n_batch = check_builder(who, loss_fn, optimizer, mesh, batch_axis, grad_accum, has_state)
     n_context, batch_spec = context_split(who, mesh, batch_axis, context_axis)
+    owned = () if expert_axis is None else (expert_axis,)
     if precision is None:
         precision = Precision()
     if not isinstance(precision, Precision):
@@ -76,11 +83,13 @@ def _build(
     share = 1.0 / (n_batch * n_context * grad_accum)
 
     def specs_for(model: PyTree) -> PyTree:
-        check_model_axes(model, mesh, who, context_axis)  # in init and while tracing: before any compile
+        # In init and while tracing: before any compile.
+        check_experts(model, mesh, who, expert_axis, batch_axes)
+        check_model_axes(model, mesh, who, context_axis)
         specs = full_specs(param_specs(model), model, mesh, what="param_specs")
         if not splits_batch_axis:
             for spec in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec)):
-                if set(batch_axes) & set(spec_axes(spec)):
+                if (set(batch_axes) - set(owned)) & set(spec_axes(spec)):
                     raise ValueError(
                         f"{who}: param_specs splits a parameter over the batch axis ({spec}); "
                         f"{who} keeps a copy of every parameter on each batch shard. To split "
@@ -98,7 +107,7 @@ def _build(
         if units is not None:
             check_units(model, units, who)
         specs = specs_for(model)
-        plans = leaf_plans(specs, model, batch_axes, who)
+        plans = leaf_plans(specs, model, batch_axes, who, owned=owned)
         grad_specs = jax.tree.map(lambda s, x: s if eqx.is_inexact_array(x) else None, specs, model, is_leaf=is_spec)
         per_device = per_device_gradients(
             who,
@@ -159,6 +168,7 @@ def data_parallel_step(
     has_state: bool = False,
     precision: Precision | None = None,
     context_axis: str | None = None,
+    expert_axis: str | None = None,
 ) -> TrainStep:
     """Data parallelism: a copy of the model on every device, the batch split over `batch_axis`.
 
@@ -195,6 +205,16 @@ def data_parallel_step(
       dropout key differs between batch shards but is the same on every part of one
       sequence, so a model can draw a whole sequence's mask and keep its own positions
       (as [`eqxpar.models.GPT`][] does).
+    - `expert_axis`: a mesh axis to split mixture-of-experts layers' experts over (expert
+      parallelism), or None. The batch is split over it too, after the batch axes
+      (`P((*batch_axis, expert_axis))`: each device of the axis routes its own tokens, as
+      in MaxText and torchtitan); every [`eqxpar.nn.MixtureOfExperts`][] must have
+      `axis_name=expert_axis`, with `num_experts` divisible by the axis size. Leaves split
+      over the axis (the experts' stacked weights, by their `specs()`) stay on their
+      devices and their gradients are summed over the batch axes only: the all-to-alls
+      that bring every device's tokens to an expert already sum its gradient over the
+      expert axis. Every other leaf is copied over the axis and its gradient summed over
+      it like over a batch axis.
     - `has_state`: whether the model carries `eqx.nn.State` (e.g. `eqx.nn.BatchNorm`, whose
       `axis_name` must include the batch axes, e.g. `("batch", "data")` with a
       `jax.vmap(..., axis_name="batch")` in the loss).
@@ -209,15 +229,19 @@ def data_parallel_step(
     `step(model, opt_state, batch, key=None) -> (model, opt_state, metrics)` (with
     `has_state=True`: `step(model, state, opt_state, batch, key=None) -> (model, state,
     opt_state, metrics)`); `metrics` holds `"loss"` and `"grad_norm"`, both global. The
-    batch is split as `P(batch_axis)` ([`eqxpar.train.shard_batch`][]).
+    batch is split as `P(batch_axis)`, or `P((*batch_axis, expert_axis))` with an expert
+    axis (`step.batch_axis`; [`eqxpar.train.shard_batch`][]).
 
     **Raises:**
 
-    - `ValueError` at once for a mesh without the axes, `grad_accum < 1`, a non-optax
+    - `ValueError` at once for a mesh without the axes (`expert_axis` included, or
+      `expert_axis` also in `batch_axis`), `grad_accum < 1`, a non-optax
       optimizer or a `loss_fn` that cannot take the step's arguments; when the step is first
       called, before anything is compiled, if `param_specs` does not fit the model, the
       global batch size is not divisible by the batch shards times `grad_accum`, or
-      `loss_fn` does not return a float scalar (and, with `has_state`, a pair); at every
+      `loss_fn` does not return a float scalar (and, with `has_state`, a pair), or a
+      mixture-of-experts layer is split over an axis the mesh lacks, another axis than
+      `expert_axis`, or an axis its experts do not divide; at every
       call, for arguments in the wrong order, a key that is not a PRNG key, or a model or
       optimizer state whose buffers an earlier call consumed (donated).
     """
@@ -233,6 +257,7 @@ def data_parallel_step(
         precision=precision,
         splits_batch_axis=False,
         context_axis=context_axis,
+        expert_axis=expert_axis,
     )
 
 
@@ -248,6 +273,7 @@ def hybrid_step(
     precision: Precision | None = None,
     model_axis: str = "model",
     context_axis: str | None = None,
+    expert_axis: str | None = None,
 ) -> TrainStep:
     """Data x tensor parallelism on a `(data, model)` mesh.
 
@@ -286,6 +312,16 @@ def hybrid_step(
       dropout key differs between batch shards but is the same on every part of one
       sequence, so a model can draw a whole sequence's mask and keep its own positions
       (as [`eqxpar.models.GPT`][] does).
+    - `expert_axis`: a mesh axis to split mixture-of-experts layers' experts over (expert
+      parallelism), or None. The batch is split over it too, after the batch axes
+      (`P((*batch_axis, expert_axis))`: each device of the axis routes its own tokens, as
+      in MaxText and torchtitan); every [`eqxpar.nn.MixtureOfExperts`][] must have
+      `axis_name=expert_axis`, with `num_experts` divisible by the axis size. Leaves split
+      over the axis (the experts' stacked weights, by their `specs()`) stay on their
+      devices and their gradients are summed over the batch axes only: the all-to-alls
+      that bring every device's tokens to an expert already sum its gradient over the
+      expert axis. Every other leaf is copied over the axis and its gradient summed over
+      it like over a batch axis.
     - `has_state`: whether the model carries `eqx.nn.State` (e.g. `eqx.nn.BatchNorm`, whose
       `axis_name` must include the batch axes, e.g. `("batch", "data")` with a
       `jax.vmap(..., axis_name="batch")` in the loss).
@@ -300,15 +336,19 @@ def hybrid_step(
     `step(model, opt_state, batch, key=None) -> (model, opt_state, metrics)` (with
     `has_state=True`: `step(model, state, opt_state, batch, key=None) -> (model, state,
     opt_state, metrics)`); `metrics` holds `"loss"` and `"grad_norm"`, both global. The
-    batch is split as `P(batch_axis)` ([`eqxpar.train.shard_batch`][]).
+    batch is split as `P(batch_axis)`, or `P((*batch_axis, expert_axis))` with an expert
+    axis (`step.batch_axis`; [`eqxpar.train.shard_batch`][]).
 
     **Raises:**
 
-    - `ValueError` at once for a mesh without the axes, `grad_accum < 1`, a non-optax
+    - `ValueError` at once for a mesh without the axes (`expert_axis` included, or
+      `expert_axis` also in `batch_axis`), `grad_accum < 1`, a non-optax
       optimizer or a `loss_fn` that cannot take the step's arguments; when the step is first
       called, before anything is compiled, if `param_specs` does not fit the model, the
       global batch size is not divisible by the batch shards times `grad_accum`, or
-      `loss_fn` does not return a float scalar (and, with `has_state`, a pair); at every
+      `loss_fn` does not return a float scalar (and, with `has_state`, a pair), or a
+      mixture-of-experts layer is split over an axis the mesh lacks, another axis than
+      `expert_axis`, or an axis its experts do not divide; at every
       call, for arguments in the wrong order, a key that is not a PRNG key, or a model or
       optimizer state whose buffers an earlier call consumed (donated).
     """
@@ -331,6 +371,7 @@ def hybrid_step(
         precision=precision,
         splits_batch_axis=False,
         context_axis=context_axis,
+        expert_axis=expert_axis,
     )
 
 
@@ -347,6 +388,7 @@ def fsdp_step(
     units: Callable[[PyTree], Any] | None = None,
     remat: bool = False,
     context_axis: str | None = None,
+    expert_axis: str | None = None,
 ) -> TrainStep:
     """Fully sharded data parallelism (ZeRO-3): parameters, optimizer state and batch split.
 
@@ -384,6 +426,16 @@ def fsdp_step(
       dropout key differs between batch shards but is the same on every part of one
       sequence, so a model can draw a whole sequence's mask and keep its own positions
       (as [`eqxpar.models.GPT`][] does).
+    - `expert_axis`: a mesh axis to split mixture-of-experts layers' experts over (expert
+      parallelism), or None. The batch is split over it too, after the batch axes
+      (`P((*batch_axis, expert_axis))`: each device of the axis routes its own tokens, as
+      in MaxText and torchtitan); every [`eqxpar.nn.MixtureOfExperts`][] must have
+      `axis_name=expert_axis`, with `num_experts` divisible by the axis size. Leaves split
+      over the axis (the experts' stacked weights, by their `specs()`) stay on their
+      devices and their gradients are summed over the batch axes only: the all-to-alls
+      that bring every device's tokens to an expert already sum its gradient over the
+      expert axis. Every other leaf is copied over the axis and its gradient summed over
+      it like over a batch axis.
     - `has_state`: whether the model carries `eqx.nn.State` (e.g. `eqx.nn.BatchNorm`, whose
       `axis_name` must include the batch axes, e.g. `("batch", "data")` with a
       `jax.vmap(..., axis_name="batch")` in the loss).
@@ -405,15 +457,19 @@ def fsdp_step(
     `step(model, opt_state, batch, key=None) -> (model, opt_state, metrics)` (with
     `has_state=True`: `step(model, state, opt_state, batch, key=None) -> (model, state,
     opt_state, metrics)`); `metrics` holds `"loss"` and `"grad_norm"`, both global. The
-    batch is split as `P(batch_axis)` ([`eqxpar.train.shard_batch`][]).
+    batch is split as `P(batch_axis)`, or `P((*batch_axis, expert_axis))` with an expert
+    axis (`step.batch_axis`; [`eqxpar.train.shard_batch`][]).
 
     **Raises:**
 
-    - `ValueError` at once for a mesh without the axes, `grad_accum < 1`, a non-optax
+    - `ValueError` at once for a mesh without the axes (`expert_axis` included, or
+      `expert_axis` also in `batch_axis`), `grad_accum < 1`, a non-optax
       optimizer or a `loss_fn` that cannot take the step's arguments; when the step is first
       called, before anything is compiled, if `param_specs` does not fit the model, the
       global batch size is not divisible by the batch shards times `grad_accum`, or
-      `loss_fn` does not return a float scalar (and, with `has_state`, a pair); at every
+      `loss_fn` does not return a float scalar (and, with `has_state`, a pair), or a
+      mixture-of-experts layer is split over an axis the mesh lacks, another axis than
+      `expert_axis`, or an axis its experts do not divide; at every
       call, for arguments in the wrong order, a key that is not a PRNG key, or a model or
       optimizer state whose buffers an earlier call consumed (donated).
     - `ValueError` at once if `remat` is set without `units`.
@@ -445,4 +501,5 @@ def fsdp_step(
         units=units,
         remat=remat,
         context_axis=context_axis,
+        expert_axis=expert_axis,
     )

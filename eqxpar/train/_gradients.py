@@ -49,9 +49,15 @@ class LeafPlan:
 
 
 def leaf_plans(
-    specs: PyTree[PartitionSpec], model: PyTree, batch_axes: Sequence[str], who: str
+    specs: PyTree[PartitionSpec], model: PyTree, batch_axes: Sequence[str], who: str, owned: Sequence[str] = ()
 ) -> list[LeafPlan | None]:
-    """One plan per leaf of `model` (None for leaves that are not floating-point arrays)."""
+    """One plan per leaf of `model` (None for leaves that are not floating-point arrays).
+
+    `owned`: batch axes over which a leaf split over them is *owned*, not gathered (the
+    expert axis: each device keeps its experts, and the all-to-alls that bring every
+    device's tokens to them already sum their gradient over the axis). A leaf split over
+    an owned axis is neither gathered nor summed over it; a leaf not split over it is
+    copied over it like over any batch axis."""
     plans: list[LeafPlan | None] = []
     # (Not is_spec: a model's None fields would count as specs.)
     flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
@@ -62,7 +68,7 @@ def leaf_plans(
         gathers = []
         for dim, entry in enumerate(pad_spec(spec or PartitionSpec(), leaf.ndim)):
             axes = entry_axes(entry)
-            ours = tuple(a for a in axes if a in batch_axes)
+            ours = tuple(a for a in axes if a in batch_axes and a not in owned)
             if not ours:
                 continue
             if axes[len(axes) - len(ours) :] != ours:
@@ -72,7 +78,7 @@ def leaf_plans(
                     f"('model', 'fsdp')), so that gathering them rebuilds each block whole."
                 )
             gathers.append((ours, dim))
-        used = {a for axes, _ in gathers for a in axes}
+        used = {a for axes, _ in gathers for a in axes} | (set(spec_axes(spec or PartitionSpec())) & set(owned))
         copied = tuple(a for a in batch_axes if a not in used)
         plans.append(LeafPlan(tuple(gathers), copied, spec_axes(spec or PartitionSpec())))
     return plans
