@@ -22,6 +22,9 @@ simulated CPU devices:
 - `sequence_parallel.png`: which positions of the residual stream each device holds
   with tensor parallelism, with Megatron sequence parallelism, and with context
   parallelism as well, from the GPT's token embedding run under `shard_map`;
+- `expert_routing.png`: a `MixtureOfExperts` on `expert=4`: each device's tokens, the
+  expert each chose (dropped ones hatched), and the slots they fill after the all-to-all,
+  read from the layer under `shard_map`;
 - `bench_strategies.png`: the table of docs/benchmarks.md (`benchmarks/strategies.py`'s
   output, pasted there) as bar charts, parsed from the page itself.
 
@@ -607,6 +610,82 @@ def sequence_parallel_positions(inputs: dict[str, Any]) -> None:
     save(fig, "sequence_parallel.png")
 
 
+def expert_routing_inputs() -> dict[str, Any]:
+    """`expert_routing.png`: where the tokens of a `MixtureOfExperts` go on `expert=4`
+    (one expert per device, top-1, capacity factor 1: 2 slots per expert and sequence),
+    each device holding one sequence of 8 tokens. Read from the layer itself under
+    `shard_map`: each token's expert from `tokens_per_expert` with every token its own
+    routing group (the router scores tokens one by one), the drops per sequence from
+    `dropped` with each sequence one group."""
+    tokens, experts, dim = 8, 4, 8
+    mesh = eqxpar.make_mesh(expert=experts)
+    moe = eqxpar.nn.MixtureOfExperts(dim, 16, experts, 1, capacity_factor=1.0, key=jax.random.key(3))
+    x = jax.random.normal(jax.random.key(4), (experts, tokens, dim))
+    specs = eqxpar.nn.partition_specs(moe, mesh)
+
+    def route(moe, x):
+        return moe(x)[1]
+
+    run = eqxpar.filter_shard_map(route, mesh=mesh, in_specs=(specs, P("expert")), out_specs=P("expert"))
+    per_token = run(moe, x.reshape(experts * tokens, 1, dim))  # every token its own group
+    per_sequence = run(moe, x)  # every sequence one group
+    chosen = [[int(c) for c in jnp.argmax(per_token.tokens_per_expert.reshape(experts, tokens, experts), -1)[d]]
+              for d in range(experts)]  # fmt: skip
+    capacity = moe.capacity(tokens)
+    # Priority in token order: an expert's first `capacity` tokens of a sequence are kept.
+    kept = [[chosen[d][: t + 1].count(chosen[d][t]) <= capacity for t in range(tokens)] for d in range(experts)]
+    dropped = [int(n) for n in per_sequence.dropped]
+    assert dropped == [row.count(False) for row in kept], (dropped, kept)  # the layer's own count
+    return {"expert_routing.png": {"capacity": capacity, "chosen": chosen, "kept": kept, "dropped": dropped}}
+
+
+def expert_routing(inputs: dict[str, Any]) -> None:
+    """`expert_routing.png`: the tokens of `expert_routing_inputs` before the first
+    all-to-all (on their devices) and after it (in their experts' slots)."""
+    data = inputs["expert_routing.png"]
+    chosen, kept, capacity = data["chosen"], data["kept"], data["capacity"]
+    n, tokens = len(chosen), len(chosen[0])
+    fig, (left, right) = plt.subplots(
+        1, 2, figsize=(13, 3.8), gridspec_kw={"width_ratios": [tokens, n * capacity], "wspace": 0.3}
+    )
+    for d in range(n):
+        y = n - 1 - d
+        left.text(-0.3, y + 0.4, f"device {d}", ha="right", va="center", fontsize=9)
+        for t in range(tokens):
+            e = chosen[d][t]
+            style = {"fc": MODEL_COLORS[e]} if kept[d][t] else {"fc": "white", "ec": MODEL_COLORS[e], "hatch": "//"}
+            left.add_patch(Rectangle((t, y), 0.9, 0.8, lw=1, **style))
+            left.text(t + 0.45, y + 0.4, f"t{t}", ha="center", va="center", fontsize=8,
+                      color="white" if kept[d][t] else "black")  # fmt: skip
+        right.text(n * capacity + 0.2, y + 0.4, f"device {d}: expert {d}", ha="left", va="center", fontsize=9)
+        # Device d's buffer after the all-to-all: expert d's slots from every device, in device order.
+        for source in range(n):
+            mine = [t for t in range(tokens) if chosen[source][t] == d and kept[source][t]]
+            for slot in range(capacity):
+                x0 = source * capacity + slot
+                if slot < len(mine):
+                    right.add_patch(Rectangle((x0, y), 0.9, 0.8, fc=MODEL_COLORS[d], lw=0))
+                    right.text(x0 + 0.45, y + 0.4, f"d{source}\nt{mine[slot]}", ha="center", va="center",
+                               fontsize=7, color="white")  # fmt: skip
+                else:
+                    right.add_patch(Rectangle((x0, y), 0.9, 0.8, fc="#eeeeee", ec="#bbbbbb", lw=0.5))
+    left.set_title("before: each device's own sequence\ncolour = the expert chosen, hatched = dropped", fontsize=9)
+    right.set_title(
+        f"after the all_to_all: expert e's {capacity} slots\nfrom each device (d0..d3), in device order", fontsize=9
+    )
+    for ax, width in ((left, tokens), (right, n * capacity)):
+        ax.set_xlim(-0.1, width)
+        ax.set_ylim(-0.1, n)
+        ax.axis("off")
+    fig.suptitle(
+        f"MixtureOfExperts on expert={n}: top-1 routing, capacity {capacity} per expert and sequence "
+        f"(dropped per device: {data['dropped']}; computed by the layer under shard_map)",
+        fontsize=10,
+        y=1.08,
+    )
+    save(fig, "expert_routing.png")
+
+
 # --- the manifest: what each picture was drawn from -----------------------------------------
 
 FIGURES: tuple[Callable[[dict[str, Any]], None], ...] = (
@@ -620,6 +699,7 @@ FIGURES: tuple[Callable[[dict[str, Any]], None], ...] = (
     architecture,
     pipeline_schedules,
     sequence_parallel_positions,
+    expert_routing,
 )
 
 
