@@ -14,6 +14,7 @@ Run it (8 simulated CPU devices when there is no accelerator):
     python recipes/hybrid_gpt.py --mesh data=4,model=2
     python recipes/hybrid_gpt.py --mesh data=1,model=1    # one device: the same losses
     python recipes/hybrid_gpt.py --devices 1              # a one-device machine (--mesh auto)
+    python recipes/hybrid_gpt.py --layout auto            # the planner's fastest layout that fits
     python recipes/hybrid_gpt.py --steps 50 --metrics-out /tmp/gpt.json
     python recipes/hybrid_gpt.py --checkpoint-dir /tmp/gpt --checkpoint-every 100 --resume
 
@@ -36,13 +37,15 @@ import eqxpar
 import eqxpar.nn
 import eqxpar.recipe
 from eqxpar.datasets import python_source_text, text_windows
-from eqxpar.inspect import CommReport
+from eqxpar.inspect import CommReport, MemoryReport
 from eqxpar.models import GPT, generate, next_token_loss, whole_logits
 from eqxpar.train import hybrid_step
 
 
 @dataclasses.dataclass
-class Config(eqxpar.recipe.CheckpointFlags, eqxpar.recipe.LogFlags, eqxpar.recipe.GPTFlags):  # + their flags
+class Config(
+    eqxpar.recipe.CheckpointFlags, eqxpar.recipe.LogFlags, eqxpar.recipe.GPTFlags, eqxpar.recipe.LayoutFlags
+):  # + their flags
     devices: int = 8  # simulated CPU devices when there is no accelerator
     mesh: str = "auto"  # batch split over `data`, layers over `model`, e.g. data=2,model=4; auto: fit the devices
     steps: int = 800  # training steps
@@ -67,6 +70,8 @@ def check_flags(cfg: Config) -> Config:
         raise ValueError(f"--learning-rate must be positive, got {cfg.learning_rate}.")
     if cfg.dim % cfg.heads:
         raise ValueError(f"--dim {cfg.dim} is not divisible by --heads {cfg.heads}: every head needs the same width.")
+    if cfg.layout == "auto":  # the planner chooses the mesh (in main), and checks what divides what
+        return cfg
     # The data axis splits the batch (every replica the same number of sequences), the
     # model axis the layers (every device the same number of heads).
     sizes = eqxpar.recipe.mesh_from_flag(
@@ -84,15 +89,22 @@ def main(argv=None) -> dict:
     with eqxpar.recipe.flag_errors():
         ckpt = eqxpar.checkpoint.Checkpointer.from_config(cfg, shape_fields=("context", "dim", "layers", "scan_layers"))
 
-    # --- Mesh: the data axis splits the batch, the model axis splits the layers. ---
-    mesh = eqxpar.make_mesh(**eqxpar.parse_mesh(cfg.mesh))
-
     # --- Data: characters of some standard-library modules; the last 10% held out. ---
     # Each step's batch is a pure function of (seed, step): any mesh, and a resumed run,
     # sees the same batches.
     text = python_source_text()
     split = int(0.9 * len(text.ids))
     train_ids, val_ids = text.ids[:split], text.ids[split:]
+
+    # --- Layout (--layout auto): the planner prices every data x model layout of these
+    # devices, with each remat policy, from the shapes alone (eqxpar.plan: exact collective
+    # and memory theories, a roofline for time); it prints the fastest that fit
+    # --memory-per-device with why, and the first one's mesh and remat replace the flags'. ---
+    with eqxpar.recipe.flag_errors():  # nothing fits, or no layout divides the batch: one line, exit 2
+        cfg, plan = eqxpar.recipe.auto_layout(cfg, vocab_size=text.vocab_size, axes=("data", "model"))
+
+    # --- Mesh: the data axis splits the batch, the model axis splits the layers. ---
+    mesh = eqxpar.make_mesh(**eqxpar.parse_mesh(cfg.mesh))
 
     # --- Model: built whole from the seed, then split over `model` by its spec tree. ---
     model_key, train_key, sample_key = jax.random.split(jax.random.key(cfg.seed), 3)
@@ -133,8 +145,11 @@ def main(argv=None) -> dict:
         tokens = text_windows(train_ids, cfg.batch_size, cfg.context, seed=cfg.seed, step=i)
         return eqxpar.shard(tokens, mesh, P("data"))
 
-    # What one step communicates, read from the compiled program.
-    comm = CommReport.of(step.lower(model, opt_state, batch(0), train_key))
+    # What one step communicates and holds per device, read from the compiled program.
+    lowered = step.lower(model, opt_state, batch(0), train_key)
+    compiled = lowered.compile()
+    comm = CommReport.of(lowered, compiled)
+    memory = MemoryReport.of(compiled, model, opt_state, batch(0), train_key)
     if eqxpar.recipe.is_main_process():
         print(f"mesh {dict(mesh.shape)}; collectives of one train step (per device):\n{comm}\n")
 
@@ -206,6 +221,9 @@ def main(argv=None) -> dict:
         "sample": sample,
         "resumed_from_step": first_step,
         "param_digest": eqxpar.recipe.parameter_digest(model),  # of the whole (gathered) weights
+        # The layout run ("data=8 remat=none"), and the plan's predicted bytes per device
+        # (with --layout auto; else null) beside the compiled step's.
+        **eqxpar.recipe.layout_metrics(cfg, plan, comm, memory),
     }
     if eqxpar.recipe.is_main_process():
         if sample:

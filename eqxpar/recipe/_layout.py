@@ -1,0 +1,217 @@
+"""`--layout auto` for the GPT recipes: plan the fastest layout for the devices present
+([`eqxpar.plan.plan`][]), print the planner's table, and put the chosen layout's predicted
+and compiled bytes into the metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, Literal, TypeVar
+
+import jax
+import jax.numpy as jnp
+
+from ..inspect import CommReport, MemoryReport
+from ..models import GPTConfig
+from ..plan import PRESETS, Cluster, Plan, cluster, plan, table
+from ._flags import mesh_text
+from ._output import is_main_process
+
+__all__ = ["LayoutFlags", "auto_layout", "local_cluster", "layout_metrics", "CPU_CLUSTER"]
+
+C = TypeVar("C")
+LayoutChoice = Literal["mesh", "auto"]  # --layout's choices: --help lists them, tyro refuses others
+GB = 1e9
+
+# The figures a plan on simulated CPU devices is priced with. They only rank layouts (the
+# simulated devices share the host's cores, and their "links" are memory copies): a few
+# tens of GFLOP/s per device, 10 GB/s between devices, 4 GB of memory each.
+CPU_CLUSTER: dict[str, Any] = dict(
+    memory_per_device=4 * GB,
+    peak_flops={"float32": 50e9, "bfloat16": 50e9},
+    intra_host_bandwidth=10 * GB,
+    inter_host_bandwidth=10 * GB,
+    name="simulated CPU devices",
+)
+"""The [`eqxpar.plan.Cluster`][] fields [`eqxpar.recipe.local_cluster`][] uses on CPU:
+memory per device 4 GB, 50 GFLOP/s, 10 GB/s between devices (rough figures that only rank
+layouts)."""
+
+
+@dataclasses.dataclass
+class LayoutFlags:
+    """The flags of a recipe that can plan its own layout: derive the recipe's `Config` from
+    it and call [`eqxpar.recipe.auto_layout`][] before building the mesh.
+
+    - `--layout auto`: plan every layout of the recipe's mesh axes for the devices present
+      (with remat), print the fastest that fit, and run the first: it sets `--mesh` and
+      `--remat`. `--layout mesh` (default): run `--mesh` as given.
+    - `--memory-per-device GB`: the memory a device may use, for `--layout auto`. Default:
+      the accelerator's memory as JAX reports it, or 4 GB per simulated CPU device.
+    """
+
+    # The comments are the flags' --help text (eqxpar.recipe.parse_flags reads them).
+    layout: LayoutChoice = "mesh"  # auto: the planner's fastest layout that fits (prints its plans); mesh: --mesh
+    memory_per_device: float | None = None  # GB a device may use, for --layout auto; default: its memory (CPU: 4)
+
+
+def local_cluster(memory_per_device: float | None = None) -> Cluster:
+    """The devices present as an [`eqxpar.plan.Cluster`][]: `jax.local_device_count()`
+    devices per host, `jax.process_count()` hosts.
+
+    **Arguments:**
+
+    - `memory_per_device`: bytes a device may use. Default: the accelerator's memory
+      (`memory_stats()["bytes_limit"]`), else the preset's; 4 GB on CPU.
+
+    **Returns:**
+
+    A preset's `Cluster` (H100, H200, A100, TPU v5p: the device kind names it) with the
+    devices present, or on CPU one with the figures of [`eqxpar.recipe.CPU_CLUSTER`][].
+
+    **Raises:**
+
+    - `ValueError` for a non-positive memory, or an accelerator the presets do not know
+      (naming its kind: run with `--mesh` instead).
+    """
+    if memory_per_device is not None and not memory_per_device > 0:
+        raise ValueError(f"local_cluster: memory_per_device must be positive bytes, got {memory_per_device!r}.")
+    device = jax.local_devices()[0]
+    shape: dict[str, int] = dict(devices_per_host=jax.local_device_count(), hosts=jax.process_count())
+    if device.platform == "cpu":
+        fields = {**CPU_CLUSTER, **shape, "name": f"{jax.device_count()} {CPU_CLUSTER['name']}"}
+        if memory_per_device is not None:
+            fields["memory_per_device"] = memory_per_device
+        return Cluster(**fields)
+    kind = device.device_kind.lower()
+    preset = next((p for p in PRESETS if p in kind), None)
+    if preset is None:
+        raise ValueError(
+            f"--layout auto: no planner preset for device kind {device.device_kind!r} (presets: {PRESETS}); "
+            f"choose the layout with --mesh instead."
+        )
+    if memory_per_device is None:
+        stats = device.memory_stats() or {}
+        memory_per_device = stats.get("bytes_limit")
+    overrides: dict[str, Any] = {} if memory_per_device is None else {"memory_per_device": float(memory_per_device)}
+    return cluster(preset, **shape, **overrides)
+
+
+def auto_layout(
+    cfg: C, *, vocab_size: int, axes: Sequence[str] = ("data", "model"), top: int = 5
+) -> tuple[C, Plan | None]:
+    """`--layout auto`: plan the recipe's GPT for the devices present, print the top plans,
+    and return `cfg` with the first one's `--mesh` and `--remat`, and that plan.
+
+    Plans only what the recipe builds: the mesh `axes`, every remat policy, no sequence
+    parallelism (the recipes sample from the trained model, which runs whole sequences),
+    the recipe's compute dtype and AdamW's state. Nothing compiles. With `--layout mesh` it
+    returns `(cfg, None)` and prints nothing.
+
+    **Arguments:**
+
+    - `cfg`: a recipe config with the fields of [`eqxpar.recipe.LayoutFlags`][] and
+      [`eqxpar.recipe.GPTFlags`][], and `mesh`, `batch_size`, `context`, `dim`, `heads`,
+      `layers`.
+    - `vocab_size`: the model's vocabulary (padded to a multiple of 128, as the GPT pads it).
+    - `axes`: the mesh axes the recipe builds, in its mesh order.
+    - `top`: how many plans to print.
+
+    **Returns:**
+
+    `(cfg, plan)`: `cfg` with `mesh` the plan's sizes of `axes` (`"data=8,model=1"`) and
+    `remat` its remat policy; the [`eqxpar.plan.Plan`][] (or `None` without `--layout auto`).
+
+    **Raises:**
+
+    - `ValueError` (before anything compiles) when `--mesh` is given too; when no layout
+      divides the batch (naming the smallest batch that one would); when nothing fits
+      `--memory-per-device` (naming the smallest memory that would do); for an unknown
+      accelerator.
+    """
+    flags: Any = cfg
+    if flags.layout != "auto":
+        return cfg, None
+    if flags.mesh != "auto":
+        raise ValueError(
+            f"--layout auto chooses the mesh itself: drop --mesh {flags.mesh}, or drop --layout auto to run that mesh."
+        )
+    if flags.memory_per_device is not None and not flags.memory_per_device > 0:
+        raise ValueError(f"--memory-per-device must be positive (GB per device), got {flags.memory_per_device}.")
+    memory = None if flags.memory_per_device is None else flags.memory_per_device * GB
+    machine = local_cluster(memory)
+    config = GPTConfig(context=flags.context, dim=flags.dim, heads=flags.heads, layers=flags.layers)
+    dtype = jnp.bfloat16 if flags.dtype == "bfloat16" else jnp.float32
+    try:  # every layout, those that do not fit too: a message in the flag's units if none fits
+        plans = plan(
+            config,
+            batch=flags.batch_size,
+            cluster=machine,
+            dtype=dtype,
+            optimizer="adamw",
+            vocab_size=vocab_size,
+            axes=tuple(axes),
+            sequence_parallel=(False,),
+            top=None,
+            include_infeasible=True,
+        )
+    except ValueError as error:  # no layout divides the batch (or a bad shape)
+        raise ValueError(f"--layout auto with --batch-size {flags.batch_size}: {error}") from None
+    best = plans[0]
+    if not best.fits:
+        least = min(plans, key=lambda p: p.memory.peak)
+        raise ValueError(
+            f"--layout auto: no {' x '.join(axes)} layout of this GPT with --batch-size {flags.batch_size} fits "
+            f"--memory-per-device {machine.memory_per_device / GB:g} (GB) on {machine.name}: the smallest predicted "
+            f"peak is {least.memory.peak:,} bytes ({least.layout}). Give --memory-per-device "
+            f"{_round_up(least.memory.peak / GB):g} or more, or a smaller --batch-size."
+        )
+    plans = [p for p in plans if p.fits][:top]
+    if is_main_process():
+        print(
+            f"--layout auto: {len(plans)} fastest of the {' x '.join(axes)} layouts on {machine.name} "
+            f"({machine.memory_per_device / GB:g} GB each); running the first:\n{table(plans)}\n",
+            flush=True,
+        )
+    sizes = {axis: best.layout.sizes[axis] for axis in axes}
+    return dataclasses.replace(flags, mesh=mesh_text(sizes), remat=best.layout.remat), best
+
+
+def _round_up(x: float) -> float:
+    """`x` rounded up to 3 significant digits (a memory that is enough, printed short)."""
+    step = 10.0 ** (math.floor(math.log10(x)) - 2)
+    return math.ceil(x / step) * step
+
+
+def layout_metrics(cfg: Any, plan: Plan | None, comm: CommReport, memory: MemoryReport) -> dict[str, Any]:
+    """The layout a recipe ran and its bytes, for `--metrics-out`.
+
+    **Arguments:**
+
+    - `cfg`: the recipe's config (its `mesh` and `remat`).
+    - `plan`: the plan [`eqxpar.recipe.auto_layout`][] chose, or `None` (`--layout mesh`).
+    - `comm`, `memory`: the compiled step's [`eqxpar.inspect.CommReport`][] and
+      [`eqxpar.inspect.MemoryReport`][].
+
+    **Returns:**
+
+    `{"layout", "predicted_comm_bytes", "compiled_comm_bytes", "predicted_peak_bytes",
+    "compiled_peak_bytes"}`: the layout as the planner names it (`"data=8 remat=none"`),
+    collective bytes per device and step (the plan's, in the compute dtype; the compiled
+    program's, over groups of more than one device) and peak bytes per device (the plan's
+    prediction; `MemoryReport.peak`). The predictions are `None` without a plan.
+    """
+    if plan is not None:
+        name = str(plan.layout)
+    else:
+        sizes = {axis: int(size) for axis, size in (comm.mesh.shape.items() if comm.mesh is not None else ())}
+        used = ",".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "one device"
+        name = f"{used} remat={cfg.remat}"
+    return {
+        "layout": name,
+        "predicted_comm_bytes": plan.comm_in_dtype().bytes() if plan is not None else None,
+        "compiled_comm_bytes": sum(comm.traffic().values()),
+        "predicted_peak_bytes": int(plan.memory.peak) if plan is not None else None,
+        "compiled_peak_bytes": memory.peak,
+    }

@@ -1,0 +1,165 @@
+"""`recipes/hybrid_gpt.py --layout auto`: the planner chooses the mesh and remat for the
+devices present, prints its table, and the run trains to the losses of a plain one-device
+Equinox + optax loop (no eqxpar step builder, no planner); its predicted collective bytes
+equal the compiled step's; bad input ends before anything compiles, naming the memory or
+batch that would work."""
+
+import json
+import os
+import subprocess
+import sys
+
+import equinox as eqx
+import jax
+import numpy as np
+import optax
+import pytest
+from _recipes import RECIPES, load_recipe, run_recipe
+from jax.sharding import PartitionSpec as P
+
+import eqxpar
+import eqxpar.nn
+import eqxpar.recipe
+from eqxpar.datasets import python_source_text, text_windows
+from eqxpar.models import GPT, next_token_loss
+
+STEPS, BATCH, CONTEXT, SEED, LR = 4, 8, 16, 0, 3e-3
+SMALL = ("--steps", str(STEPS), "--batch-size", str(BATCH), "--context", str(CONTEXT), "--sample-chars", "0")
+# The recipe's defaults for the model's shape: 2 blocks of width 64, 8 heads.
+DIM, HEADS, LAYERS = 64, 8, 2
+
+
+def reference_losses() -> dict[str, float]:
+    """The recipe's run written out plainly on one device: its weights (the first of three
+    keys split from the seed), its batches (`text_windows` of the first nine tenths of the
+    text, per seed and step), AdamW, and the held-out loss of the last tenth."""
+    text = python_source_text()
+    split = int(0.9 * len(text.ids))
+    model_key = jax.random.split(jax.random.key(SEED), 3)[0]
+    model = GPT(text.vocab_size, CONTEXT, DIM, HEADS, LAYERS, key=model_key)
+    mesh = eqxpar.make_mesh(model=1)  # the GPT's layers need their axis bound; size 1 runs densely
+    specs = eqxpar.nn.partition_specs(model, mesh)
+
+    def loss_fn(model, tokens):
+        loss = eqxpar.filter_shard_map(
+            lambda m, b: next_token_loss(m, b), mesh=mesh, in_specs=(specs, P()), out_specs=P()
+        )
+        return loss(model, tokens)
+
+    optimizer = optax.adamw(LR)
+
+    @eqx.filter_jit
+    def train_step(model, opt_state, tokens):
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(model, tokens)
+        params = eqx.filter(model, eqx.is_inexact_array)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    losses = []
+    for i in range(STEPS):
+        tokens = text_windows(text.ids[:split], BATCH, CONTEXT, seed=SEED, step=i)
+        model, opt_state, loss = train_step(model, opt_state, tokens)
+        losses.append(float(loss))
+    val = eqx.filter_jit(loss_fn)(model, text_windows(text.ids[split:], 64, CONTEXT, seed=1234, step=0))
+    return {
+        "first_loss": losses[0],
+        "final_loss": losses[-1],
+        "final_loss_mean10": float(np.mean(losses)),
+        "val_loss": float(val),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_losses()
+
+
+def assert_reference_losses(metrics: dict, reference: dict) -> None:
+    for key, value in reference.items():
+        np.testing.assert_allclose(metrics[key], value, rtol=1e-5, err_msg=key)
+
+
+def test_layout_auto_on_8_devices_prints_the_plans_and_equals_one_device(tmp_path, capsys, reference):
+    metrics = run_recipe("hybrid_gpt", tmp_path, "--layout", "auto", *SMALL)
+    out = capsys.readouterr().out
+    assert "--layout auto: 5 fastest of the data x model layouts on 8 simulated CPU devices (4 GB each)" in out
+    table = out[out.index("\nlayout ") : out.index("mesh {")]
+    rows = table.strip().splitlines()[2:]  # under the header and its rule
+    assert len(rows) == 5 and "step us" in table and "compute-bound" in rows[0]
+    assert rows[0].startswith(metrics["layout"] + " ")  # the first plan is the one that ran
+    sizes = dict(item.split("=") for item in metrics["mesh"].split(","))
+    assert metrics["layout"].startswith(",".join(f"{a}={n}" for a, n in sizes.items() if n != "1"))
+    assert metrics["remat"] in metrics["layout"]
+    # The planner's collective bytes are exact: the compiled step moves what it predicted.
+    assert metrics["compiled_comm_bytes"] > 0
+    assert metrics["predicted_comm_bytes"] == metrics["compiled_comm_bytes"]
+    # The peak: a temporaries estimate calibrated on GPU steps; this toy is within the
+    # bound the planner's page states for CPU (0.5-3x).
+    assert 0.5 < metrics["compiled_peak_bytes"] / metrics["predicted_peak_bytes"] < 3
+    assert_reference_losses(metrics, reference)
+
+
+@pytest.mark.thorough  # a fresh interpreter and compile (~10 s of CPU); the 8-device run takes the same path
+def test_layout_auto_on_one_device(tmp_path, reference):
+    # A fresh process: this one already has 8 simulated devices.
+    out = tmp_path / "metrics.json"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    args = [sys.executable, str(RECIPES / "hybrid_gpt.py"), "--layout", "auto", "--devices", "1", *SMALL]
+    run = subprocess.run([*args, "--metrics-out", str(out)], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "one device remat=none" in run.stdout.split("mesh {")[0]
+    metrics = json.loads(out.read_text())
+    assert metrics["mesh"] == "data=1,model=1" and metrics["layout"] == "one device remat=none"
+    assert metrics["predicted_comm_bytes"] == metrics["compiled_comm_bytes"] == 0
+    assert_reference_losses(metrics, reference)
+
+
+def recipe_error(capsys, *flags: str) -> str:
+    with pytest.raises(SystemExit) as stop:
+        load_recipe("hybrid_gpt").main(["--layout", "auto", *SMALL, *flags])
+    assert stop.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_a_memory_nothing_fits_names_the_memory_that_would(capsys):
+    err = recipe_error(capsys, "--memory-per-device", "0.0001")
+    assert "fits --memory-per-device 0.0001 (GB)" in err
+    least = float(err.split("Give --memory-per-device ")[1].split()[0])
+    assert 0.0001 < least < 0.01
+    # That memory is enough: the planner finds a layout there, and none just below it.
+    config = eqxpar.models.GPTConfig(context=CONTEXT, dim=DIM, heads=HEADS, layers=LAYERS)
+    vocab = python_source_text().vocab_size
+    common = dict(batch=BATCH, vocab_size=vocab, axes=("data", "model"), sequence_parallel=(False,))
+    common.update(dtype=np.float32, top=None)
+    fits = eqxpar.plan.plan(config, cluster=eqxpar.recipe.local_cluster(least * 1e9), **common)
+    assert fits and all(p.memory.peak <= least * 1e9 for p in fits)
+    with pytest.raises(ValueError, match="fits"):
+        eqxpar.plan.plan(config, cluster=eqxpar.recipe.local_cluster(min(p.memory.peak for p in fits) - 1), **common)
+
+
+def test_a_batch_no_layout_divides_names_the_batch_that_would(capsys):
+    # 3 heads: model can only be 1 or 3, so on 8 devices data=8 and the batch needs 8 rows.
+    err = recipe_error(capsys, "--heads", "3", "--dim", "48", "--batch-size", "4")
+    assert "--layout auto with --batch-size 4" in err and "over data x model" in err
+    assert "The smallest batch above it that a layout divides is 8." in err
+
+
+def test_layout_auto_takes_no_mesh(capsys):
+    err = recipe_error(capsys, "--mesh", "data=2,model=4")
+    assert "--layout auto chooses the mesh itself: drop --mesh data=2,model=4" in err
+
+
+@pytest.mark.parametrize("memory", ["0", "-1"])
+def test_memory_per_device_must_be_positive(capsys, memory):
+    err = recipe_error(capsys, "--memory-per-device", memory)
+    assert "--memory-per-device must be positive (GB per device)" in err
+
+
+def test_the_cluster_of_simulated_cpu_devices():
+    machine = eqxpar.recipe.local_cluster()
+    assert (machine.devices_per_host, machine.hosts, machine.memory_per_device) == (8, 1, 4e9)
+    assert machine.name == "8 simulated CPU devices"
+    assert eqxpar.recipe.local_cluster(2.5e9).memory_per_device == 2.5e9
+    with pytest.raises(ValueError, match="memory_per_device must be positive"):
+        eqxpar.recipe.local_cluster(0)
