@@ -23,7 +23,9 @@ Run it (8 simulated CPU devices when there is no accelerator):
     python recipes/moe_gpt.py --dropless --steps 50 --metrics-out /tmp/moe.json
 
 Every mesh trains the same model on the same batches: a sequence is routed as a whole on
-one device, so routing, drops and losses are those of one device (up to float rounding).
+one device, so routing, drops and losses are those of one device up to float rounding;
+routing is discontinuous, so after tens of steps a near-tie between two experts may flip
+and the runs drift apart slowly (docs/recipes/moe_gpt.md).
 """
 
 from __future__ import annotations
