@@ -25,12 +25,16 @@ Without eqxpar's fail-fast handling the job never ends: the failed rank waits at
 shutdown barrier for the others, which wait in the collective for it.
 """
 
+import faulthandler
+import signal
 import sys
 import threading
 import time
 
 import eqxpar.distributed
 
+# Every thread's Python stack on SIGUSR1, from the C signal handler (the tests' diagnostics).
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 info = eqxpar.distributed.initialize(cpu_devices=2, timeout_s=60, shutdown_timeout_s=10)
 
 from jax.experimental import multihost_utils  # noqa: E402

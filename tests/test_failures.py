@@ -61,16 +61,45 @@ class Job:
         except queue.Empty:
             pass
 
-    def wait_for(self, text, count=1, timeout=LIMIT_S):
-        """Wait until `count` lines containing `text` were printed; the time of the last one."""
+    def wait_for(self, text, count=1, timeout=LIMIT_S, diagnose=None):
+        """Wait until `count` lines containing `text` were printed; the time of the last one.
+
+        On a timeout, `diagnose` (a process index) first has that process's threads described
+        (`describe`) into the error, before the job is killed."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             hits = [t for t, _, line in self.seen if text in line]
             if len(hits) >= count:
                 return hits[count - 1]
             self._drain(0.1)
+        where = "" if diagnose is None else self.describe(diagnose)
         self.kill()
-        raise AssertionError(f"no {text!r} within {timeout} s:\n{self.output()}")
+        raise AssertionError(f"no {text!r} within {timeout} s:\n{self.output()}{where}")
+
+    def describe(self, process):
+        """Each thread's kernel state and wait channel, then its Python stack: the script
+        registers `faulthandler` on SIGUSR1, which dumps every thread's stack from the C
+        signal handler, so it answers even with the main thread blocked holding the GIL."""
+        pid = self.procs[process].pid
+        lines = [f"\n--- process {process} (pid {pid}) threads: state, CPU ticks, wait channel"]
+        for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                    name = f.read().strip()
+                with open(f"/proc/{pid}/task/{tid}/wchan") as f:
+                    wchan = f.read().strip()
+            except OSError:
+                continue  # the thread ended while we read
+            lines.append(f"{tid} {name}: {fields[0]} {int(fields[11]) + int(fields[12])} {wchan}")
+        before = len(self.seen)
+        self.procs[process].send_signal(signal.SIGUSR1)
+        until = time.monotonic() + 3.0
+        while time.monotonic() < until:
+            self._drain(0.1)
+        lines.append(f"--- its Python stacks (SIGUSR1): {len(self.seen) - before} lines above, after the rest")
+        return "\n".join(lines)
 
     def wait(self, timeout=LIMIT_S):
         """Wait for every process to exit (kill them all after `timeout`); exit codes, time."""
@@ -301,7 +330,7 @@ def test_ctrl_c_twice_ends_a_job_blocked_in_a_collective():
     # thread sleeps in the collective, read from the kernel, not assumed after a fixed sleep.
     job.wait_until_blocked(0)
     job.procs[0].send_signal(signal.SIGINT)
-    job.wait_for("eqxpar: process 0 of 2 received SIGINT but its main thread has not stopped", timeout=30)
+    job.wait_for("eqxpar: process 0 of 2 received SIGINT but its main thread has not stopped", timeout=30, diagnose=0)
     job.procs[0].send_signal(signal.SIGINT)
     interrupted_at = time.monotonic() - job.start
     codes, ended = job.wait()
