@@ -71,7 +71,9 @@ class TrainStep:
     `step.saved_activation_bytes(...)` takes the step's arguments and returns the bytes one
     device keeps from the forward pass for the backward pass (traced, not compiled).
 
-    Attributes: `mesh`, `batch_axis`, `grad_accum`, `has_state`, as given to the builder.
+    Attributes: `mesh`, `batch_axis`, `grad_accum`, `has_state`, as given to the builder
+    (with `expert_axis=`, `batch_axis` is the tuple of the batch axes and the expert axis:
+    the axes the batch is split over, for [`eqxpar.train.shard_batch`][]).
     """
 
     # Only on the steps pipeline_step returns (declared, not set: hasattr stays False elsewhere).
