@@ -79,6 +79,16 @@ def parse(argv=None):
     parser.add_argument("--budget-s", type=float, default=420, help="start no candidate after this many seconds")
     parser.add_argument("--no-xla-flags", action="store_true", help="run without GPU_XLA_FLAGS (an A/B)")
     parser.add_argument("--out", type=Path, help="folder for gpu_bench.json and gpu_bench.md")
+    parser.add_argument(
+        "--candidates",
+        help="config:remat:batch-per-device,... in place of each config's own list (e.g. 124m:none:16)",
+    )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="trace this many steps of each candidate and add its per-operation profile (profile_step.py's tables)",
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: one candidate, as JSON
     args = parser.parse_args(argv)
     if args.quick:
@@ -89,6 +99,17 @@ def parse(argv=None):
         parser.error(f"--configs: unknown {unknown}; choose from {sorted(CONFIGS)}")
     if args.rounds < 1 or args.steps < 1:
         parser.error("--rounds and --steps must be at least 1")
+    if args.profile < 0:
+        parser.error(f"--profile must be at least 0, got {args.profile}")
+    args.chosen = None
+    if args.candidates:
+        args.chosen = {}
+        for item in args.candidates.split(","):
+            parts = item.strip().split(":")
+            if len(parts) != 3 or parts[0] not in CONFIGS or not parts[2].isdigit() or int(parts[2]) < 1:
+                parser.error(f"--candidates: {item!r} is not config:remat:batch-per-device (configs {sorted(CONFIGS)})")
+            args.chosen.setdefault(parts[0], []).append((parts[1], int(parts[2])))
+        args.configs = list(args.chosen)
     return args
 
 
@@ -160,6 +181,7 @@ def run_candidate(spec: dict) -> dict:
         jax.block_until_ready(metrics["loss"])
         times.append((time.perf_counter() - t) / spec["steps"])
     step_s = statistics.median(times)
+    profile = _profile(step, (model, opt_state, batch), spec["profile"]) if spec.get("profile") else None
     flops_per_token = gpt_flops_per_token(gpt, context)
     tokens_per_s = batch_size * context / step_s
     device = jax.devices()[0]
@@ -177,7 +199,32 @@ def run_candidate(spec: dict) -> dict:
         devices=n,
         device=device.device_kind,
         platform=device.platform,
+        profile=profile,
     )
+
+
+def _profile(step, args: tuple, steps: int) -> dict:
+    """`steps` steps under `jax.profiler.trace`, read back with profile_step.py's parser: ms
+    per step by kind, by layer and pass, and the 25 largest operations."""
+    import importlib.util
+    import tempfile
+
+    import jax
+
+    spec = importlib.util.spec_from_file_location("profile_step", Path(__file__).with_name("profile_step.py"))
+    assert spec is not None and spec.loader is not None
+    prof = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prof)
+    module, instructions = prof.hlo_instructions(step.lower(*args).compile().as_text())
+    model, opt_state, batch = args
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(steps):
+                model, opt_state, metrics = step(model, opt_state, batch)
+            jax.block_until_ready(metrics["loss"])
+        summary = prof.summarize(prof.trace_events(trace_dir), module, instructions, steps)
+    keep = ("total_ms", "span_ms", "kinds", "layers", "least_ms", "unmatched", "events")
+    return dict({k: summary[k] for k in keep}, ops=summary["ops"][:25])
 
 
 def main(argv=None) -> dict:
@@ -195,17 +242,27 @@ def main(argv=None) -> dict:
     rows = []
     for name in args.configs:
         shape, candidates = CONFIGS[name]
+        candidates = args.chosen[name] if args.chosen else candidates
         for remat, per_device in candidates:
             row = dict(config=name, remat=remat, per_device=per_device, shape=shape)
             if time.perf_counter() - start > args.budget_s:
                 rows.append(dict(row, status="skipped (time budget)"))
                 continue
-            spec = dict(shape=shape, remat=remat, per_device=per_device, rounds=args.rounds, steps=args.steps)
+            spec = dict(
+                shape=shape,
+                remat=remat,
+                per_device=per_device,
+                rounds=args.rounds,
+                steps=args.steps,
+                profile=args.profile,
+            )
             # The fused attention first; if that candidate fails for another reason than
             # memory, once more with the explicit softmax, so one kernel cannot sink the run.
             for attention in ("dot_product", "reference"):
                 rows.append(dict(row, attention=attention, **_child(dict(spec, attention=attention), env, args, start)))
                 print(_line(rows[-1]), flush=True)
+                if rows[-1].get("profile"):
+                    print(_profile_text(rows[-1]["profile"]), flush=True)
                 if rows[-1]["status"] != "failed":
                     break
     result = dict(
@@ -254,6 +311,22 @@ def _line(r: dict) -> str:
         f"fused attention {'yes' if r['fused_attention'] else 'no'}  compile+1st {r['compile_s']:.0f} s  "
         f"loss {r['first_loss']:.3f} -> {r['last_loss']:.3f}"
     )
+
+
+def _profile_text(p: dict) -> str:
+    """A candidate's profile: ms per step by kind and by layer/pass, then its largest operations."""
+    span = "-" if p["span_ms"] is None else f"{p['span_ms']:.1f}"
+    lines = [f"  profile: busy {p['total_ms']:.1f} ms/step, span {span} ms; by kind:"]
+    lines += [f"    {k:<24}{v:8.2f}" for k, v in sorted(p["kinds"].items(), key=lambda kv: -kv[1])]
+    lines.append("  by layer and pass:")
+    lines += [f"    {k:<24}{v:8.2f}" for k, v in sorted(p["layers"].items(), key=lambda kv: -kv[1])]
+    lines.append("  largest operations (ms/step, calls/step, kind, layer/pass, shape):")
+    lines += [
+        f"    {o['ms']:8.2f} {o['calls_per_step']:5.0f}  {o['op'][:36]:<36} {o['kind']:<12} {o['scope']:<20} "
+        f"{o['shape'][:48]}"
+        for o in p["ops"]
+    ]
+    return "\n".join(lines)
 
 
 def markdown(result: dict) -> str:
