@@ -28,11 +28,11 @@ from ._plan import (
     is_unit,
     path_text,
     resolve,
-    stacked_weight,
     units,
     walk,
 )
-from ._plan_checks import check_not_inside_composite, check_pairs
+from ._plan_checks import check_not_inside_composite, check_pairs, stack_size, stacked_problem, stacks
+from ._plan_stacked import VmappedStack, convert_stack
 from ._registry import convert_registered
 
 __all__ = ["parallelize", "auto_plan"]
@@ -44,7 +44,7 @@ def _auto_style(node: Any) -> tuple[str, str]:
     """The automatic plan's style for one layer, and a note when it stays whole."""
     if isinstance(node, TensorParallelLayer):
         return "kept", "already tensor-parallel: left as it is"
-    if (stacked := _stacked_problem(node)) is not None:
+    if (stacked := stacked_problem(node)) is not None:
         return "replicate", f"{stacked}: stays whole"
     for name, registered in REGISTERED.items():  # a user's style first: its class may subclass ours
         if registered.auto and isinstance(node, registered.takes):
@@ -59,21 +59,6 @@ def _auto_style(node: Any) -> tuple[str, str]:
             return "mlp", ""
         return "replicate", f"{problem}: stays whole (an explicit plan can split its Linears as 'column'/'row')"
     return "replicate", ""
-
-
-def _stacked_problem(node: Any) -> str | None:
-    """Why `node` cannot be split as one layer: layers stacked with `eqx.filter_vmap`."""
-    found = stacked_weight(node)
-    if found is None:
-        return None
-    where, shape = found
-    return (
-        f"its {where} has shape {shape}, with {len(shape) - 2} axis in front of the layer's own "
-        f"two: layers stacked with eqx.filter_vmap (for lax.scan), and a split would cut that "
-        f"layer axis. Split per layer instead (keep the layers in a list and plan each), or "
-        f"stack tensor-parallel layers with eqxpar.nn.StackedLayers (its scan never splits the "
-        f"layer axis)"
-    )
 
 
 def _mlp_problem(mlp: eqx.nn.MLP) -> str | None:
@@ -105,7 +90,7 @@ def _fit_problem(style: str, node: Any) -> str | None:
     }.get(style) or REGISTERED[style].takes
     if not isinstance(node, wanted):
         return f"style {style!r} takes an {STYLES[style].takes}"
-    if (stacked := _stacked_problem(node)) is not None:
+    if (stacked := stacked_problem(node)) is not None:
         return stacked
     if isinstance(node, eqx.nn.Linear) and "scalar" in (node.in_features, node.out_features):
         return "a Linear with a 'scalar' input or output has nothing to split"
@@ -219,6 +204,15 @@ def parallelize(
     [`eqxpar.nn.vocab_parallel_cross_entropy`][]. Order is the order of the model's fields,
     the order most models call their layers in.
 
+    **Stacked layers.** A layer stacked with `eqx.filter_vmap` (every array with a leading
+    layer axis, run by the model's own `jax.lax.scan`) is planned by its path like a single
+    one (`"blocks.attention"`), and every layer of the stack gets the style: its
+    tensor-parallel form is made per layer around the same stacked arrays, in a wrapper
+    whose specs put `None` on the layer axis, so that nothing (the model axis, FSDP) splits
+    it, and that, named as an FSDP unit, is gathered one layer at a time inside the scan.
+    The stack's other `equinox.nn` layers (its norms) are marked the same way. Stacks of
+    stacks (nested `filter_vmap`) are refused.
+
     **Arguments:**
 
     - `model`: any PyTree holding `equinox.nn` layers (global form).
@@ -247,7 +241,8 @@ def parallelize(
     - `ValueError`, naming the layer's path: a path or where-function that names nothing,
       a style that does not fit the layer, overlapping entries, a `"row"` layer without a
       `"column"` one before it (or a `"column"` layer whose split output would reach a layer
-      that wants it whole), and with `mesh` a size the model axis does not divide.
+      that wants it whole), a stack of stacks or a stacked layer whose arrays do not share
+      one leading size, and with `mesh` a size the model axis does not divide.
     """  # noqa: E501 - a markdown table row cannot wrap
     if mesh is not None:
         if not isinstance(mesh, Mesh):
@@ -285,8 +280,13 @@ def parallelize(
 
     rows, new = [], {}
     last = seq[-1][0] if seq else None
+    stacked = stacks(seq)
     for p, node, style in seq:
         where, note = path_text(p), notes.get(p, "")
+        if style == "replicate" and (layers := stacked.get(p)) is not None:
+            # A layer of a filter_vmap stack kept whole: marked, so nothing splits its layer axis.
+            new[p] = VmappedStack(node, num_layers=layers, axis_name=axis_name)
+            note = "; ".join(filter(None, [note, f"one of {layers} stacked layers: the layer axis never split"]))
         if style in ("replicate", "kept"):
             rows.append(
                 PlanRow(
@@ -300,8 +300,12 @@ def parallelize(
                 )
             )
             continue
+        layers = stack_size(node)
         try:
-            layer = _convert(style, node, axis_name)
+            if layers is None:
+                layer = _convert(style, node, axis_name)
+            else:  # every layer of a filter_vmap stack, the layer axis kept whole
+                layer = convert_stack(lambda n, style=style: _convert(style, n, axis_name), node, layers, axis_name)
         except ValueError as e:
             raise ValueError(f"parallelize: {where} ({describe(node)}) cannot be {style!r}: {e}") from None
         if size is not None:
@@ -313,6 +317,11 @@ def parallelize(
         split = f"{what}={n}" + ("" if size is None else f" -> {n // size} per device")
         if style == "column" and p == last:
             note = f"output stays split over {axis_name!r}: take the loss with eqxpar.nn.vocab_parallel_cross_entropy"
+        if layers is not None:
+            split += f", in each of {layers} stacked layers"
+            note = "; ".join(
+                filter(None, [note, "stacked with eqx.filter_vmap: split per layer, the layer axis whole"])
+            )
         rows.append(
             PlanRow(
                 where, describe(node), style, split, STYLES[style].text("forward"), STYLES[style].text("backward"), note

@@ -18,6 +18,7 @@ import equinox as eqx
 import jax
 
 from ._base import TensorParallelLayer
+from ._plan_stacked import VmappedStack
 
 __all__ = ["Plan", "PlanRow", "STYLES", "Style", "REGISTERED", "Registered"]
 
@@ -126,12 +127,16 @@ def units(tree: Any, opened: set[Path], path: Path = ()) -> Iterator[tuple[Path,
 def stacked_weight(node: Any) -> tuple[str, tuple[int, ...]] | None:
     """Where `node` holds layers stacked with `eqx.filter_vmap` (to run with `lax.scan`): the
     first `eqx.nn.Linear` or `eqx.nn.Embedding` in it (itself included) whose weight has
-    axes in front of its own two, as `(its path inside node, the weight's shape)`; None if
-    there is none. Such a weight's leading axis counts layers, which nothing may split."""
+    axes in front of its own two, or the first array of a stacked layer `parallelize` split
+    per layer (a `VmappedStack`), as `(its path inside node, the shape)`; None if there is
+    none. Such a weight's leading axis counts layers, which nothing may split."""
     inside_tp: list[Path] = []  # tensor-parallel layers (StackedLayers) keep their own stacks
     for path, sub in walk(node):
         if any(path[: len(t)] == t for t in inside_tp):
             continue
+        if isinstance(sub, VmappedStack):  # a stack parallelize split per layer: still a stack
+            inner, leaf = next((k, x) for k, x in jax.tree_util.tree_flatten_with_path(sub)[0] if eqx.is_array(x))
+            return path_text(path + inner).replace("<root>", ""), tuple(leaf.shape)
         if isinstance(sub, TensorParallelLayer):
             inside_tp.append(path)
             continue

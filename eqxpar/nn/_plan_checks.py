@@ -1,15 +1,19 @@
 """The structural checks `eqxpar.nn.parallelize` runs on a plan before converting anything:
-no part of a composite `equinox.nn` layer split on its own, and every split output meeting
-a layer that takes it split."""
+no part of a composite `equinox.nn` layer split on its own, every split output meeting a
+layer that takes it split, and which layers are stacked with `eqx.filter_vmap` (split per
+layer) or stacked in a way that cannot be."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import equinox as eqx
 
 from ._base import TensorParallelLayer
-from ._plan import describe, is_unit, path_text
+from ._plan import describe, has_arrays, is_unit, path_text, stacked_weight
+from ._plan_stacked import leading_sizes
 
-__all__ = ["check_not_inside_composite", "check_pairs"]
+__all__ = ["check_not_inside_composite", "check_pairs", "stack_size", "stacked_problem", "stacks"]
 
 
 def check_not_inside_composite(path: tuple, style: str, by_path: dict) -> None:
@@ -118,3 +122,55 @@ def column_group(seq: list, i: int) -> list:
     if i == 0 or seq[i - 1][2] != "column":
         return []
     return seq[group_start(seq, i - 1) : i]
+
+
+def stacks(seq: list) -> dict:
+    """The stack size of every unit of a stack built with `eqx.filter_vmap` that can be split
+    per layer: units whose own weights are stacked (`stacked_weight`), and the `equinox.nn`
+    layers beside them in the same container (norms, whose shapes alone do not tell) whose
+    every array has that leading size."""
+    nodes = {p: node for p, node, _ in seq}
+    sizes = {}
+    for p, node in nodes.items():
+        n = None if isinstance(node, TensorParallelLayer) else stack_size(node)
+        if n is not None and stacked_problem(node) is None:
+            sizes[p] = n
+    containers = {p[:-1]: n for p, n in sizes.items()}
+    for p, node in nodes.items():
+        n = containers.get(p[:-1])
+        if n is None or p in sizes or isinstance(node, TensorParallelLayer) or not is_unit(node):
+            continue
+        if has_arrays(node) and leading_sizes(node) == {n}:
+            sizes[p] = n
+    return sizes
+
+
+def stack_size(node: Any) -> int | None:
+    """The number of layers when `node` is a layer stacked with `eqx.filter_vmap` (every
+    array with one leading layer axis), else None."""
+    found = stacked_weight(node)
+    return None if found is None else found[1][0]
+
+
+def stacked_problem(node: Any) -> str | None:
+    """Why `node`, a layer stacked with `eqx.filter_vmap`, cannot be split per layer (None
+    if it is not stacked, or can be: one leading layer axis on every array)."""
+    found = stacked_weight(node)
+    if found is None:
+        return None
+    where, shape = found
+    if len(shape) != 3:
+        return (
+            f"its {where} has shape {shape}, with {len(shape) - 2} axes in front of the layer's "
+            f"own two: a stack of stacks (nested eqx.filter_vmap), whose layer axes a split per "
+            f"layer would have to tell apart. Stack the layers once (one filter_vmap), or keep "
+            f"them in a list and plan each"
+        )
+    sizes = leading_sizes(node)
+    if sizes != {shape[0]}:
+        return (
+            f"its {where} has shape {shape}, a layer axis of {shape[0]}, but its arrays' leading "
+            f"sizes are {sorted(sizes)}: not one stack of layers. Stack every array of the layer "
+            f"with one eqx.filter_vmap, or keep the layers in a list and plan each"
+        )
+    return None
