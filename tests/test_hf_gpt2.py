@@ -15,6 +15,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from _hf_files import (
     GPT2_SHAPE,
@@ -29,7 +30,9 @@ from safetensors.numpy import load_file
 
 import eqxpar
 import eqxpar.nn
-from eqxpar.models import GPT, load_hf, save_hf, whole_logits
+from eqxpar.models import GPT, load_hf, next_token_loss, save_hf, whole_logits
+from eqxpar.testing import assert_trees_close
+from eqxpar.train import fsdp_step, hybrid_step, shard_batch
 
 D, VOCAB, PADDED = GPT2_SHAPE["n_embd"], GPT2_SHAPE["vocab_size"], 128
 MESHES = [
@@ -311,3 +314,43 @@ def test_save_hf_refuses_what_gpt2_cannot_hold(folders, tmp_path):
     with pytest.raises(ValueError, match="tie_embeddings must be True, False or None"):
         save_hf(model, tmp_path / "bad", tie_embeddings="yes")  # type: ignore[arg-type]
     assert not (tmp_path / "eps").exists() and not (tmp_path / "bad").exists()
+
+
+@pytest.mark.thorough
+@pytest.mark.parametrize("sizes, strategy", [({"data": 2, "model": 2}, "tensor"), ({"fsdp": 4, "model": 2}, "fsdp")])
+def test_fine_tuning_a_loaded_gpt2_equals_one_device(tmp_path, sizes, strategy):
+    """Two SGD-momentum steps from a loaded GPT-2 (its attention biases and epsilon in the
+    GPT's blocks) under the hybrid step and under FSDP x TP equal one device's."""
+    tensors = gpt2_tensors(8, tie=True)
+    config = gpt2_config_json(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # no dropout: comparable
+    folder = write_checkpoint(tmp_path / "ckpt", tensors, config)
+    optimizer = optax.sgd(0.1, momentum=0.9)
+    one = eqxpar.make_mesh(model=1)
+    want, one_specs = load_hf(folder, one)
+    value_and_grad = eqx.filter_jit(
+        eqxpar.filter_shard_map(
+            eqx.filter_value_and_grad(lambda m, b: next_token_loss(m, b)),
+            mesh=one,
+            in_specs=(one_specs, P()),
+            out_specs=(P(), one_specs),
+        )
+    )
+    mesh = eqxpar.make_mesh(**sizes)
+    model, specs = load_hf(folder, mesh, strategy=strategy)
+    loss_fn = lambda m, b, key: next_token_loss(m, b, key=key)  # noqa: E731
+    if strategy == "fsdp":
+        step = fsdp_step(loss_fn, optimizer, mesh, param_specs=specs)
+    else:
+        step = hybrid_step(loss_fn, optimizer, mesh, param_specs=specs)
+    batch_axis = "fsdp" if strategy == "fsdp" else "data"
+    model, opt_state = step.init(model)
+    want_state = optimizer.init(eqx.filter(want, eqx.is_inexact_array))
+    rng = np.random.default_rng(9)
+    for _ in range(2):
+        tokens = rng.integers(0, VOCAB, (8, 9)).astype(np.int32)
+        loss, grads = value_and_grad(want, tokens)
+        updates, want_state = optimizer.update(eqx.filter(grads, eqx.is_inexact_array), want_state)
+        want = eqx.apply_updates(want, updates)
+        model, opt_state, metrics = step(model, opt_state, shard_batch(tokens, mesh, batch_axis=batch_axis))
+        np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=1e-5)
+    assert_trees_close(eqxpar.gather(model), want, rtol=1e-5, atol=1e-6, what="parameters after two steps")
