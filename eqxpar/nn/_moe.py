@@ -80,11 +80,13 @@ class MixtureOfExperts(TensorParallelLayer):
     to experts, outputs back) and their two transposes backward: per call and device,
     each sends `num_experts * groups * C * dim` elements
     ([`eqxpar.inspect.expert_parallel_theory`][]). The result equals the one-device
-    layer's on any mesh, since a group never spans devices. An input that is the same on
-    every device of the axis (a train step that splits the batch over `data` only, as
-    `eqxpar.train.data_parallel_step` with the experts' specs) works too: each device
-    routes its block of the groups and an `all_gather` hands every device all outputs
-    (see `__call__`).
+    layer's on any mesh, since a group never spans devices. The step builders train it so
+    with `expert_axis=axis_name` ([`eqxpar.train.hybrid_step`][] and the others: the batch
+    split over the expert axis too, the experts' gradients summed over the data axes
+    only). An input that is the same on every device of the axis (a step without
+    `expert_axis`, whose batch is split over `data` only) works too: each device routes
+    its block of the groups and an `all_gather` hands every device all outputs (see
+    `__call__`), at the price of every expert device repeating the rest of the model's work.
 
     **Auxiliary-loss-free balancing.** With `balance_bias=True` the layer holds a
     `selection_bias` (zeros, shape `(num_experts,)`), added to the scores for the choice
