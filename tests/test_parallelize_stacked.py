@@ -205,9 +205,19 @@ def test_what_still_cannot_be_split_is_refused_with_the_fix():
     mixed = eqx.tree_at(lambda l: l.bias, stacked(linear, 2), jnp.zeros(8))
     with pytest.raises(ValueError, match=r"leading sizes are \[2, 8\]: not one stack of layers"):
         eqxpar.nn.parallelize({"mixed": mixed}, {"['mixed']": "column"})
-    _, plan = eqxpar.nn.parallelize(
-        {"nested": stacked(eqx.nn.MultiheadAttention(2, 8, key=jax.random.key(1)), 2, 3)}, return_plan=True
-    )
-    assert (
-        dict(plan) == {"['nested']": "replicate"} and "a stack of stacks" in plan.rows[0].note
-    )  # kept whole, saying why
+    attention = stacked(eqx.nn.MultiheadAttention(2, 8, key=jax.random.key(1)), 2, 3)
+    with pytest.warns(UserWarning, match="splits 0 of 1 layers"):  # kept whole, saying why
+        _, plan = eqxpar.nn.parallelize({"nested": attention}, return_plan=True)
+    assert dict(plan) == {"['nested']": "replicate"} and "a stack of stacks" in plan.rows[0].note
+
+
+def test_fsdp_refuses_a_parallelized_stack_as_one_unit():
+    """The block holding the stacked layers is no unit (its scan never calls it whole): a
+    ValueError naming the stack, before anything compiles; its layers are the units."""
+    mesh = eqxpar.make_mesh(fsdp=4, model=2)
+    plan = {"blocks.attention": "attention", "blocks.up": "column", "blocks.down": "row"}
+    parallel = eqxpar.nn.parallelize(model_for(2, 4, 0), plan, mesh=mesh)
+    step = fsdp_step(plain_loss, OPTIMIZER, mesh, units=lambda m: m.blocks)
+    model, opt_state = step.init(parallel)
+    with pytest.raises(ValueError, match=r"units names model.blocks, layers stacked with eqx.filter_vmap: its norm1"):
+        step(model, opt_state, shard_batch(np.zeros((8, 7), np.int32), mesh, batch_axis="fsdp"))
