@@ -30,7 +30,7 @@ from safetensors.numpy import load_file
 
 import eqxpar
 import eqxpar.nn
-from eqxpar.models import GPT, load_hf, next_token_loss, save_hf, whole_logits
+from eqxpar.models import GPT, MoEOptions, load_hf, next_token_loss, save_hf, whole_logits
 from eqxpar.testing import assert_trees_close
 from eqxpar.train import fsdp_step, hybrid_step, shard_batch
 
@@ -354,3 +354,13 @@ def test_fine_tuning_a_loaded_gpt2_equals_one_device(tmp_path, sizes, strategy):
         model, opt_state, metrics = step(model, opt_state, shard_batch(tokens, mesh, batch_axis=batch_axis))
         np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=1e-5)
     assert_trees_close(eqxpar.gather(model), want, rtol=1e-5, atol=1e-6, what="parameters after two steps")
+
+
+def test_save_hf_refuses_a_mixture_of_experts_gpt(tmp_path):
+    shapes = eqx.filter_eval_shape(
+        GPT, VOCAB, 16, dim=32, num_heads=4, num_layers=2, moe=MoEOptions(num_experts=2, every=2), key=jax.random.key(0)
+    )
+    model = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, shapes)
+    with pytest.raises(ValueError, match="block 1 of this GPT is a MoEBlock; GPT-2 has only dense transformer blocks"):
+        save_hf(model, tmp_path / "moe")
+    assert not (tmp_path / "moe").exists()
