@@ -80,7 +80,9 @@ def local_cluster(memory_per_device: float | None = None) -> Cluster:
     device = jax.local_devices()[0]
     shape: dict[str, int] = dict(devices_per_host=jax.local_device_count(), hosts=jax.process_count())
     if device.platform == "cpu":
-        fields = {**CPU_CLUSTER, **shape, "name": f"{jax.device_count()} {CPU_CLUSTER['name']}"}
+        count = jax.device_count()
+        name = f"{count} {CPU_CLUSTER['name']}" if count > 1 else "1 simulated CPU device"
+        fields = {**CPU_CLUSTER, **shape, "name": name}
         if memory_per_device is not None:
             fields["memory_per_device"] = memory_per_device
         return Cluster(**fields)
