@@ -53,6 +53,7 @@ def split_loss(model: GPT, batch: Any, key: Any = None):
     inputs and targets already in zigzag layout)."""
     inputs, targets = batch
     logits = model(inputs, key=key)
+    assert not isinstance(logits, tuple)  # no return_aux=True: the logits alone (plans have no MoE blocks)
     return jnp.mean(vocab_parallel_cross_entropy(logits, targets, model.axis_name, model.vocab_size))
 
 
