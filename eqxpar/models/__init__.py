@@ -39,6 +39,7 @@ from ._llama_layers import LlamaAttention, LlamaBlock, LlamaMLP, RMSNorm, apply_
 from ._llama_theory import llama_tensor_parallel_theory
 from ._memory import gpt_activation_theory
 from ._moe_block import MoEBlock, MoEOptions, moe_aux_loss
+from ._moe_llama import LlamaMoEBlock
 from ._stages import gpt_stages
 
 __all__ = [
@@ -63,6 +64,7 @@ __all__ = [
     "MoEOptions",
     "MoEBlock",
     "moe_aux_loss",
+    "LlamaMoEBlock",
     "Llama",
     "LlamaConfig",
     "LlamaRopeScaling",

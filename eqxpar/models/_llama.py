@@ -21,6 +21,8 @@ from ..nn import (
 from ._block import REMAT_CHOICES, Remat, remat_wrapper
 from ._llama_config import LlamaConfig
 from ._llama_layers import LlamaBlock, RMSNorm, normal_linear, rope_angles, rope_frequencies
+from ._moe_block import MoEOptions, check_model_axis_size, moe_aux_loss, run_blocks
+from ._moe_llama import LlamaMoEBlock, llama_blocks
 
 __all__ = ["Llama", "llama_loss", "llama_matmul_params", "llama_flops_per_token"]
 
@@ -56,12 +58,13 @@ class Llama(TensorParallelLayer):
     """
 
     embed_tokens: VocabParallelEmbedding
-    layers: tuple[LlamaBlock, ...] | StackedLayers
+    layers: tuple[LlamaBlock | LlamaMoEBlock, ...] | StackedLayers
     norm: RMSNorm
     lm_head: ColumnParallelLinear | None
     config: LlamaConfig = eqx.field(static=True)
     remat: Remat = eqx.field(static=True)
     axis_name: str = eqx.field(static=True)
+    moe: MoEOptions | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -70,6 +73,7 @@ class Llama(TensorParallelLayer):
         scan_layers: bool = False,
         remat: Remat = "none",
         init_std: float = 0.02,
+        moe: MoEOptions | None = None,
         axis_name: str = "model",
         key: PRNGKeyArray,
     ):
@@ -82,6 +86,11 @@ class Llama(TensorParallelLayer):
           `"save_matmuls"` or `"offload"` (as for the GPT).
         - `init_std`: the standard deviation of the normal the embedding and every linear
           layer are drawn from (Hugging Face's `initializer_range`, 0.02); norms start at 1.
+        - `moe`: an [`eqxpar.models.MoEOptions`][] to put a mixture of experts in place of
+          the MLP of every `moe.every`-th layer (an [`eqxpar.models.LlamaMoEBlock`][],
+          Mixtral-style), or None. Needs `scan_layers=False`; train it with
+          `expert_axis=moe.expert_axis` in the step builder. (`eqxpar.models.save_hf` and
+          `load_hf` know the dense Llama only.)
         - `axis_name`: the model axis every tensor-parallel layer is split over.
         - `key`: the initialisation key. The same key gives the same weights for either
           block layout and any mesh.
@@ -89,7 +98,8 @@ class Llama(TensorParallelLayer):
         **Raises:**
 
         - `ValueError` for a config that is not a `LlamaConfig`, an unknown `remat`, a
-          non-boolean `scan_layers`, a non-positive `init_std` or a non-string `axis_name`.
+          non-boolean `scan_layers`, a non-positive `init_std`, a non-string `axis_name`,
+          or `moe=` options it cannot take.
         """
         if not isinstance(config, LlamaConfig):
             raise ValueError(
@@ -109,7 +119,7 @@ class Llama(TensorParallelLayer):
         embedding = eqx.filter_eval_shape(eqx.nn.Embedding, config.vocab_size, config.dim, key=embed_key)
         embedding = eqx.tree_at(lambda e: e.weight, embedding, table)
         self.embed_tokens = VocabParallelEmbedding.from_dense(embedding, axis_name=axis_name)
-        blocks = tuple(LlamaBlock(config, init_std=init_std, axis_name=axis_name, key=k) for k in block_keys)
+        blocks = llama_blocks(config, moe, scan_layers, init_std, axis_name, block_keys)
         self.layers = StackedLayers(blocks, axis_name=axis_name) if scan_layers else blocks
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.lm_head = (
@@ -120,6 +130,7 @@ class Llama(TensorParallelLayer):
         self.config = config
         self.remat = remat
         self.axis_name = axis_name
+        self.moe = moe
 
     @property
     def num_layers(self) -> int:
@@ -138,7 +149,7 @@ class Llama(TensorParallelLayer):
                 f"that divides {self.config.vocab_size}, or a config whose vocab_size is a multiple of {size} "
                 f"(pad the vocabulary: extra ids are never seen)."
             )
-        TensorParallelLayer.check_axis_size(self, size, "" if where == "<root>" else where)
+        check_model_axis_size(self, size, "" if where == "<root>" else where)
 
     def to_dense(self) -> Llama:
         """The Llama itself: its global form is its own dense model (it runs on one device
@@ -159,8 +170,8 @@ class Llama(TensorParallelLayer):
         return eqx.tree_at(lambda l: l.weight, shape, self.embed_tokens.weight)
 
     def __call__(
-        self, tokens: Int[Array, "*batch seq"], *, key: PRNGKeyArray | None = None
-    ) -> Float[Array, "*batch seq vocab_block"]:
+        self, tokens: Int[Array, "*batch seq"], *, key: PRNGKeyArray | None = None, return_aux: bool = False
+    ) -> Float[Array, "*batch seq vocab_block"] | tuple[Float[Array, "*batch seq vocab_block"], tuple]:
         """Next-token logits on one device (inside `shard_map`).
 
         **Arguments:**
@@ -168,6 +179,8 @@ class Llama(TensorParallelLayer):
         - `tokens`: token ids, `(seq,)` or `(*batch, seq)` (computed as whole arrays, no
           `vmap`), `seq <= max_seq_len`, the same on every device of the model axis.
         - `key`: ignored (the Llama has no dropout); accepted as every train step passes one.
+        - `return_aux`: also return the MoE layers' [`eqxpar.nn.MoEAux`][]s (one per MoE
+          layer, in order; an empty tuple without `moe=`).
 
         **Returns:**
 
@@ -198,18 +211,21 @@ class Llama(TensorParallelLayer):
             cos, sin = rope_angles(seq, inv_freq, x.dtype)
             wrap = remat_wrapper(self.remat)
             if isinstance(self.layers, StackedLayers):  # self.scan_layers
-                x = self.layers(x, wrap=wrap, cos=cos, sin=sin)
+                x, auxes = self.layers(x, wrap=wrap, cos=cos, sin=sin), ()
             else:
                 apply = _apply_block if wrap is None else wrap(_apply_block)
-                for i, block in enumerate(self.layers):
-                    x = apply(block, x, cos, sin, f"layer_{i}")
+                x, auxes = run_blocks(self.layers, x, [(cos, sin)] * len(self.layers), apply, None, None, None)
             with jax.named_scope("head"):
                 logits = self.head()(self.norm(x))
-            return logits[0] if single else logits
+            logits = logits[0] if single else logits
+            return (logits, auxes) if return_aux else logits
 
 
-def _apply_block(block, x, cos, sin, name):
-    return block(x, cos=cos, sin=sin, name=name)
+def _apply_block(block, x, angles, inference, name, rows, length):
+    # run_blocks' calling convention (the GPT's): `angles` rides where the GPT's key does.
+    del inference, rows, length
+    cos, sin = angles
+    return block(x, cos=cos, sin=sin, name=name.replace("block_", "layer_"))
 
 
 def llama_loss(
@@ -219,7 +235,8 @@ def llama_loss(
 
     Predicts `tokens[:, 1:]` from `tokens[:, :-1]` in one call of the model, the logits
     staying split over the vocabulary ([`eqxpar.nn.vocab_parallel_cross_entropy`][]).
-    Train with `loss_fn = lambda model, batch, key: llama_loss(model, batch, key=key)`.
+    Train with `loss_fn = lambda model, batch, key: llama_loss(model, batch, key=key)`. A
+    Llama with `moe=` adds its routers' auxiliary losses ([`eqxpar.models.moe_aux_loss`][]).
 
     **Arguments:**
 
@@ -232,9 +249,10 @@ def llama_loss(
     The mean loss over this device's batch, a float32 scalar, the same on every device of
     the model axis.
     """
-    logits = model(tokens[..., :-1], key=key)
+    logits, auxes = model(tokens[..., :-1], key=key, return_aux=True)
     with jax.named_scope("loss"):
-        return jnp.mean(vocab_parallel_cross_entropy(logits, tokens[..., 1:], model.axis_name))
+        loss = jnp.mean(vocab_parallel_cross_entropy(logits, tokens[..., 1:], model.axis_name))
+        return loss + moe_aux_loss(model, auxes) if auxes else loss
 
 
 def _config_of(model: Llama | LlamaConfig, who: str) -> LlamaConfig:

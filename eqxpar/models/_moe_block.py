@@ -245,11 +245,12 @@ def gpt_blocks(
 
 def run_blocks(blocks, x, keys, apply, inference, rows, length) -> tuple[Array, tuple[MoEAux, ...]]:
     """Run a tuple of blocks (`apply(block, x, key, inference, name, rows, length)`), in a
-    Python loop: the new residual stream and the MoE blocks' auxes, in order."""
+    Python loop: the new residual stream and the MoE blocks' auxes, in order (an MoE block,
+    of the GPT or the Llama, returns a pair)."""
     auxes = []
     for i, (block, block_key) in enumerate(zip(blocks, keys)):
         out = apply(block, x, block_key, inference, f"block_{i}", rows, length)
-        if isinstance(block, MoEBlock):
+        if isinstance(out, tuple):  # an MoE block: (residual stream, its aux)
             x, aux = out
             auxes.append(aux)
         else:

@@ -1,0 +1,118 @@
+"""The Llama's mixture-of-experts option: `Llama(config, moe=MoEOptions(...))` (Mixtral-style).
+
+Every `moe.every`-th layer is a [`eqxpar.models.LlamaMoEBlock`][]: the Llama block with a
+[`eqxpar.nn.MixtureOfExperts`][] of SwiGLU experts in place of its MLP (named
+`block_sparse_moe`, as Hugging Face's Mixtral names it), each expert of
+`moe.expert_hidden` (default: the config's `hidden_dim`) hidden units. Each sequence is one
+routing group. Train it with `expert_axis=moe.expert_axis` in the step builder;
+[`eqxpar.models.llama_loss`][] adds the routers' auxiliary losses
+([`eqxpar.models.moe_aux_loss`][]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from ..nn import MixtureOfExperts, MoEAux
+from ._llama_config import LlamaConfig
+from ._llama_layers import LlamaAttention, LlamaBlock, RMSNorm
+from ._moe_block import MoEOptions
+
+__all__ = ["LlamaMoEBlock"]
+
+
+class LlamaMoEBlock(eqx.Module):
+    """A pre-norm Llama block with a mixture of experts in place of the MLP:
+    `h = x + self_attn(input_layernorm(x))`, then `h + block_sparse_moe(post_attention_layernorm(h))`,
+    the MoE's [`eqxpar.nn.MoEAux`][] returned beside the new residual stream."""
+
+    input_layernorm: RMSNorm
+    self_attn: LlamaAttention
+    post_attention_layernorm: RMSNorm
+    block_sparse_moe: MixtureOfExperts
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        moe: MoEOptions,
+        *,
+        init_std: float = 0.02,
+        axis_name: str = "model",
+        key: PRNGKeyArray,
+    ):
+        """**Arguments:**
+
+        - `config`: the model's [`eqxpar.models.LlamaConfig`][].
+        - `moe`: the [`eqxpar.models.MoEOptions`][] (experts, top-k, capacity, expert axis).
+        - `init_std`: the attention's linear layers' standard deviation (the experts are
+          drawn as [`eqxpar.nn.MixtureOfExperts`][] draws them).
+        - `axis_name`: the model axis: attention heads and each expert's hidden units split over it.
+        - `key`: the initialisation key.
+        """
+        attention_key, moe_key = jax.random.split(key)
+        self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
+        self.self_attn = LlamaAttention(config, init_std=init_std, axis_name=axis_name, key=attention_key)
+        self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
+        self.block_sparse_moe = MixtureOfExperts(
+            config.dim,
+            moe.expert_hidden or config.hidden_dim,
+            moe.num_experts,
+            moe.top_k,
+            score=moe.score,
+            capacity_factor=moe.capacity_factor,
+            axis_name=moe.expert_axis,
+            model_axis=axis_name,
+            key=moe_key,
+        )
+
+    def __call__(
+        self,
+        x: Float[Array, "*batch seq dim"],
+        *,
+        cos: Array,
+        sin: Array,
+        key: PRNGKeyArray | None = None,
+        name: str | None = None,
+    ) -> tuple[Float[Array, "*batch seq dim"], MoEAux]:
+        """Apply the block on one device (inside `shard_map`); the arguments are
+        [`eqxpar.models.LlamaBlock`][]'s. Returns `(new residual stream, aux)`."""
+        del key
+        with jax.named_scope(name or "LlamaMoEBlock"):
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+            with jax.named_scope("moe"):
+                h, aux = self.block_sparse_moe(self.post_attention_layernorm(x))
+            return x + h, aux
+
+
+def llama_blocks(
+    config: LlamaConfig, moe: Any, scan_layers: bool, init_std: float, axis_name: str, keys: Sequence[PRNGKeyArray]
+) -> tuple[LlamaBlock | LlamaMoEBlock, ...]:
+    """The Llama's layers: a `LlamaMoEBlock` where `moe` says, a `LlamaBlock` elsewhere;
+    a `ValueError` naming the fix for `moe=` options the Llama cannot take."""
+    if moe is not None:
+        if not isinstance(moe, MoEOptions):
+            raise ValueError(
+                f"Llama: moe must be an eqxpar.models.MoEOptions or None, got {type(moe).__name__}; pass e.g. "
+                f"moe=eqxpar.models.MoEOptions(num_experts=8, top_k=2)."
+            )
+        if moe.every > config.num_layers:
+            raise ValueError(
+                f"Llama: moe.every={moe.every} is more than the config's num_layers={config.num_layers}, so no "
+                f"layer would have experts; choose every <= {config.num_layers}."
+            )
+        if scan_layers:
+            raise ValueError(
+                "Llama: moe= needs scan_layers=False: MoE layers and plain layers differ, and a scan runs one "
+                "layer shape. Build the Llama with scan_layers=False."
+            )
+    return tuple(
+        LlamaMoEBlock(config, moe, init_std=init_std, axis_name=axis_name, key=k)
+        if moe is not None and moe.is_moe_block(i)
+        else LlamaBlock(config, init_std=init_std, axis_name=axis_name, key=k)
+        for i, k in enumerate(keys)
+    )
