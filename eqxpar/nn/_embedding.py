@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -9,7 +11,8 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._promotion import at_least_float32
-from ._base import TensorParallelLayer, scatter_sequence
+from .._shard_map import varying_axes
+from ._base import TensorParallelLayer, scatter_sequence, to_varying
 
 __all__ = ["VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
 
@@ -153,13 +156,17 @@ def vocab_parallel_cross_entropy(
     put together on one device:
 
     1. `pmax` of the local maxima: the global max, subtracted for numerical stability
-       (behind `stop_gradient`: the loss does not depend on it);
+       (the loss does not depend on it);
     2. one `psum` of two numbers per example: the sum of `exp(logit - max)` over each
        device's block, and the label's logit (non-zero only on the device that owns it);
     3. `loss = log(sum) - (label_logit - max)`, the same on every device.
 
     Backward there is no communication: each device's logit gradients are
-    `softmax - one_hot` on its own block, from the reduced sum it already has.
+    `g * (exp(logit - max) / sum - one_hot)` on its own block (`g` the loss's cotangent),
+    from the max and the reduced sum it already has. A custom VJP computes them in one
+    elementwise pass over the logits, kept in their own dtype: float32 inside, one rounding
+    to the logits' dtype, zero at padding ids: the backward writes no float32 array of the
+    logits' size.
 
     **Arguments:**
 
@@ -185,30 +192,72 @@ def vocab_parallel_cross_entropy(
                 f"dimension."
             )
         try:
-            block = logits.shape[-1]
-            first = jax.lax.axis_index(axis_name) * block
+            jax.lax.axis_index(axis_name)
         except NameError:
             raise ValueError(
                 f"vocab_parallel_cross_entropy runs inside shard_map over the model axis "
                 f"{axis_name!r}, which is not bound here (a mesh with {axis_name}=1 runs it densely)."
             ) from None
-        if vocab_size is not None:
-            ids = first + jnp.arange(block)
-            logits = jnp.where(ids < vocab_size, logits, -jnp.inf)
-        # The softmax statistics in float32 at least, whatever the logits' dtype (bfloat16
-        # under mixed precision): a sum of exponentials over the vocabulary in bfloat16
-        # would lose the loss's third significant digit.
-        logits = logits.astype(at_least_float32(logits.dtype))
-        # 1. The global max over the vocabulary: one all-reduce (max).
-        local_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
-        global_max = jax.lax.pmax(local_max, axis_name)
-        shifted = logits - global_max[..., None]
-        # 2. Sum of exponentials and the label's logit, in one all-reduce (sum).
-        sum_exp = jnp.sum(jnp.exp(shifted), axis=-1)
-        label = labels - first  # the label's index in our block
-        ours = (label >= 0) & (label < block)
-        picked = jnp.take_along_axis(shifted, jnp.clip(label, 0, block - 1)[..., None], axis=-1)[..., 0]
-        label_logit = jnp.where(ours, picked, 0)
-        sum_exp, label_logit = jax.lax.psum(jnp.stack([sum_exp, label_logit]), axis_name)
-        # 3. log-sum-exp minus the label's logit (both shifted by the same max).
-        return jnp.log(sum_exp) - label_logit
+        # The logits' gradient varies over the model axis (each device's block) and over the
+        # axes the labels vary over. Logits that do not (replicated ones, as on a mesh with
+        # axis_name=1) are marked varying here, outside the custom backward, so that autodiff
+        # sums their gradient over those axes, as it does without one.
+        axes = (varying_axes(labels) | {axis_name}) - varying_axes(logits)
+        logits = functools.reduce(to_varying, sorted(axes), logits)
+        out: Array = _cross_entropy(logits, labels, axis_name, vocab_size)  # (custom_vjp: an object to pyright)
+        return out
+
+
+def _masked(logits: Array, first: Array, vocab_size: int | None) -> Array:
+    """This block's logits, `-inf` at padding ids (`>= vocab_size`), in their own dtype."""
+    if vocab_size is not None:
+        ids = first + jnp.arange(logits.shape[-1])
+        logits = jnp.where(ids < vocab_size, logits, -jnp.inf)
+    return logits
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _cross_entropy(logits, labels, axis_name, vocab_size):
+    return _cross_entropy_fwd(logits, labels, axis_name, vocab_size)[0]
+
+
+def _cross_entropy_fwd(logits, labels, axis_name, vocab_size):
+    block = logits.shape[-1]
+    first = jax.lax.axis_index(axis_name) * block
+    # The softmax statistics in float32 at least, whatever the logits' dtype (bfloat16
+    # under mixed precision): a sum of exponentials over the vocabulary in bfloat16 would
+    # lose the loss's third significant digit. The max and the label's logit are exact in
+    # the logits' own dtype, so only the sum reads them converted: no float32 copy of the
+    # logits is needed, forward or backward.
+    wide = at_least_float32(logits.dtype)
+    masked = _masked(logits, first, vocab_size)
+    # 1. The global max over the vocabulary: one all-reduce (max).
+    local_max = jnp.max(masked, axis=-1).astype(wide)
+    global_max = jax.lax.pmax(local_max, axis_name)
+    # 2. Sum of exponentials and the label's logit, in one all-reduce (sum).
+    sum_exp = jnp.sum(jnp.exp(masked.astype(wide) - global_max[..., None]), axis=-1)
+    label = labels - first  # the label's index in our block
+    ours = (label >= 0) & (label < block)
+    picked = jnp.take_along_axis(logits, jnp.clip(label, 0, block - 1)[..., None], axis=-1)[..., 0]
+    label_logit = jnp.where(ours, picked.astype(wide) - global_max, 0)
+    sum_exp, label_logit = jax.lax.psum(jnp.stack([sum_exp, label_logit]), axis_name)
+    # 3. log-sum-exp minus the label's logit (both shifted by the same max). Kept for the
+    # backward: the logits in their own dtype and two numbers per example.
+    return jnp.log(sum_exp) - label_logit, (logits, labels, global_max, sum_exp)
+
+
+def _cross_entropy_bwd(axis_name, vocab_size, residuals, d_loss):
+    # The barrier keeps XLA from merging the exponentials below with the forward's (the
+    # same expression): merged, the forward would write them out in float32 for us.
+    logits, labels, global_max, sum_exp = jax.lax.optimization_barrier(residuals)
+    block = logits.shape[-1]
+    first = jax.lax.axis_index(axis_name) * block
+    # d_loss * (softmax - one_hot) on this block in one elementwise pass over the logits:
+    # float32 inside, one rounding to the logits' dtype. Zero at padding ids (exp(-inf)).
+    softmax = jnp.exp(_masked(logits, first, vocab_size).astype(global_max.dtype) - global_max[..., None])
+    one_hot = jax.lax.broadcasted_iota(labels.dtype, logits.shape, logits.ndim - 1) == (labels - first)[..., None]
+    d_logits = (d_loss / sum_exp)[..., None] * softmax - jnp.where(one_hot, d_loss[..., None], 0)
+    return d_logits.astype(logits.dtype), None
+
+
+_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
