@@ -15,7 +15,10 @@ see [`eqxpar.models.next_token_loss`][]), so a data axis can be added around it.
 axis as well (Megatron sequence parallelism); with `attention_impl="ring"` or
 `"all_gather"` every sequence is split over a `context` axis (context parallelism).
 [`eqxpar.models.gpt_stages`][] cuts it into the parts [`eqxpar.train.pipeline_step`][]
-runs (the model states how it is pipelined; `eqxpar.train` names no model).
+runs (the model states how it is pipelined; `eqxpar.train` names no model). With
+`moe=`[`eqxpar.models.MoEOptions`][] every n-th block has a mixture of experts
+([`eqxpar.nn.MixtureOfExperts`][]) in place of its MLP, split over an `expert` axis (train
+it with `expert_axis="expert"` in the step builder).
 
 [`eqxpar.models.Llama`][] is a Llama-style family built from the same layers (RMSNorm,
 rotary embeddings, grouped-query attention, SwiGLU, optional tied embeddings), its fields
