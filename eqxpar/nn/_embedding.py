@@ -192,20 +192,38 @@ def vocab_parallel_cross_entropy(
                 f"dimension."
             )
         try:
-            jax.lax.axis_index(axis_name)
+            index = jax.lax.axis_index(axis_name)
         except NameError:
             raise ValueError(
                 f"vocab_parallel_cross_entropy runs inside shard_map over the model axis "
                 f"{axis_name!r}, which is not bound here (a mesh with {axis_name}=1 runs it densely)."
             ) from None
         # The logits' gradient varies over the model axis (each device's block) and over the
-        # axes the labels vary over. Logits that do not (replicated ones, as on a mesh with
-        # axis_name=1) are marked varying here, outside the custom backward, so that autodiff
-        # sums their gradient over those axes, as it does without one.
-        axes = (varying_axes(labels) | {axis_name}) - varying_axes(logits)
+        # axes the labels vary over. Logits typed as not varying over them (replicated ones,
+        # as on a mesh with axis_name=1) are marked varying here, outside the custom backward,
+        # so that autodiff sums their gradient over those axes, as it does without one. (Under
+        # shard_map's check_vma=False nothing is typed varying, the axis index included, and
+        # nothing is cast: a cast there would sum the devices' blocks of the gradient.)
+        axes = (varying_axes(labels) | varying_axes(index)) - varying_axes(logits)
         logits = functools.reduce(to_varying, sorted(axes), logits)
-        out: Array = _cross_entropy(logits, labels, axis_name, vocab_size)  # (custom_vjp: an object to pyright)
-        return out
+        block = logits.shape[-1]
+        first = index * block
+        # The softmax statistics in float32 at least, whatever the logits' dtype (bfloat16
+        # under mixed precision): a sum of exponentials over the vocabulary in bfloat16 would
+        # lose the loss's third significant digit. The max and the label's logit are exact in
+        # the logits' own dtype, so only the sum reads the logits converted.
+        wide = at_least_float32(logits.dtype)
+        # 1. The global max over the vocabulary: one all-reduce (max).
+        local_max = jax.lax.stop_gradient(jnp.max(_masked(logits, first, vocab_size), axis=-1).astype(wide))
+        global_max = jax.lax.pmax(local_max, axis_name)
+        # 2. Sum of exponentials and the label's logit, in one all-reduce (sum). Autodiff
+        # transposes the collectives (under check_vma, without communication); the custom
+        # VJP of the block's sums writes the logits' gradient.
+        sums: tuple[Array, Array] = _block_sums(logits, labels, global_max, axis_name, vocab_size)  # (custom_vjp)
+        sum_exp, label_logit = sums
+        sum_exp, label_logit = jax.lax.psum(jnp.stack([sum_exp, label_logit]), axis_name)
+        # 3. log-sum-exp minus the label's logit (both shifted by the same max).
+        return jnp.log(sum_exp) - label_logit
 
 
 def _masked(logits: Array, first: Array, vocab_size: int | None) -> Array:
@@ -216,48 +234,39 @@ def _masked(logits: Array, first: Array, vocab_size: int | None) -> Array:
     return logits
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _cross_entropy(logits, labels, axis_name, vocab_size):
-    return _cross_entropy_fwd(logits, labels, axis_name, vocab_size)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _block_sums(logits, labels, global_max, axis_name, vocab_size):
+    return _block_sums_fwd(logits, labels, global_max, axis_name, vocab_size)[0]
 
 
-def _cross_entropy_fwd(logits, labels, axis_name, vocab_size):
+def _block_sums_fwd(logits, labels, global_max, axis_name, vocab_size):
+    """This block's `sum(exp(logit - max))` and label logit `l_y - max` (zero where the
+    label is in another block); kept for the backward: the logits in their own dtype, the
+    labels and the max."""
     block = logits.shape[-1]
     first = jax.lax.axis_index(axis_name) * block
-    # The softmax statistics in float32 at least, whatever the logits' dtype (bfloat16
-    # under mixed precision): a sum of exponentials over the vocabulary in bfloat16 would
-    # lose the loss's third significant digit. The max and the label's logit are exact in
-    # the logits' own dtype, so only the sum reads them converted: no float32 copy of the
-    # logits is needed, forward or backward.
-    wide = at_least_float32(logits.dtype)
-    masked = _masked(logits, first, vocab_size)
-    # 1. The global max over the vocabulary: one all-reduce (max).
-    local_max = jnp.max(masked, axis=-1).astype(wide)
-    global_max = jax.lax.pmax(local_max, axis_name)
-    # 2. Sum of exponentials and the label's logit, in one all-reduce (sum).
-    sum_exp = jnp.sum(jnp.exp(masked.astype(wide) - global_max[..., None]), axis=-1)
+    shifted = _masked(logits, first, vocab_size).astype(global_max.dtype) - global_max[..., None]
+    sum_exp = jnp.sum(jnp.exp(shifted), axis=-1)
     label = labels - first  # the label's index in our block
     ours = (label >= 0) & (label < block)
     picked = jnp.take_along_axis(logits, jnp.clip(label, 0, block - 1)[..., None], axis=-1)[..., 0]
-    label_logit = jnp.where(ours, picked.astype(wide) - global_max, 0)
-    sum_exp, label_logit = jax.lax.psum(jnp.stack([sum_exp, label_logit]), axis_name)
-    # 3. log-sum-exp minus the label's logit (both shifted by the same max). Kept for the
-    # backward: the logits in their own dtype and two numbers per example.
-    return jnp.log(sum_exp) - label_logit, (logits, labels, global_max, sum_exp)
+    label_logit = jnp.where(ours, picked.astype(global_max.dtype) - global_max, 0)
+    return (sum_exp, label_logit), (logits, labels, global_max)
 
 
-def _cross_entropy_bwd(axis_name, vocab_size, residuals, d_loss):
+def _block_sums_bwd(axis_name, vocab_size, residuals, cotangents):
     # The barrier keeps XLA from merging the exponentials below with the forward's (the
     # same expression): merged, the forward would write them out in float32 for us.
-    logits, labels, global_max, sum_exp = jax.lax.optimization_barrier(residuals)
+    logits, labels, global_max = jax.lax.optimization_barrier(residuals)
+    d_sum_exp, d_label_logit = cotangents  # g / sum and -g, from the log and the subtraction
     block = logits.shape[-1]
     first = jax.lax.axis_index(axis_name) * block
-    # d_loss * (softmax - one_hot) on this block in one elementwise pass over the logits:
-    # float32 inside, one rounding to the logits' dtype. Zero at padding ids (exp(-inf)).
-    softmax = jnp.exp(_masked(logits, first, vocab_size).astype(global_max.dtype) - global_max[..., None])
+    # g * (softmax - one_hot) on this block in one elementwise pass over the logits: float32
+    # inside, one rounding to the logits' dtype. Zero at padding ids (exp(-inf)).
+    exps = jnp.exp(_masked(logits, first, vocab_size).astype(global_max.dtype) - global_max[..., None])
     one_hot = jax.lax.broadcasted_iota(labels.dtype, logits.shape, logits.ndim - 1) == (labels - first)[..., None]
-    d_logits = (d_loss / sum_exp)[..., None] * softmax - jnp.where(one_hot, d_loss[..., None], 0)
-    return d_logits.astype(logits.dtype), None
+    d_logits = d_sum_exp[..., None] * exps + jnp.where(one_hot, d_label_logit[..., None], 0)
+    return d_logits.astype(logits.dtype), None, None
 
 
-_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
+_block_sums.defvjp(_block_sums_fwd, _block_sums_bwd)
