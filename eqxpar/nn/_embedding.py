@@ -166,7 +166,7 @@ def vocab_parallel_cross_entropy(
     from the max and the reduced sum it already has. A custom VJP computes them in one
     elementwise pass over the logits, kept in their own dtype: float32 inside, one rounding
     to the logits' dtype, zero at padding ids: the backward writes no float32 array of the
-    logits' size.
+    logits' size. (A custom VJP has no forward mode: `jax.jvp` of the loss raises.)
 
     **Arguments:**
 
