@@ -39,13 +39,29 @@ STALL_MARK = "made no progress"
 
 
 _dumped = threading.Event()
+# Held while a dump is written. Two threads may dump at once: this process's watchdog fires
+# while the fail-fast watcher learns that another process stalled too. The second waits for
+# the first dump to be complete before it returns (and its caller ends the process), or the
+# first dump would be cut off by that exit (seen under load: a rank's own stall line, then
+# nothing but its exit).
+_dumping = threading.Lock()
 
 
 def dump_stacks(tag: str) -> None:
-    """Print where the main thread waits, then every thread's Python stack, to stderr (once)."""
-    if _dumped.is_set():
-        return
-    _dumped.set()
+    """Print where the main thread waits, then every thread's Python stack, to stderr (once;
+    a second call returns when the first call's dump is written, or after 10 s)."""
+    acquired = _dumping.acquire(timeout=10.0)
+    try:
+        if _dumped.is_set():
+            return
+        _dumped.set()
+        _write_stacks(tag)
+    finally:
+        if acquired:
+            _dumping.release()
+
+
+def _write_stacks(tag: str) -> None:
     _flush()
     frames = sys._current_frames()
     main_id = threading.main_thread().ident
