@@ -109,7 +109,7 @@ MESHES = [
 ]
 
 
-@examples(3)  # more under HYPOTHESIS_PROFILE=thorough
+@examples(1)  # and the pins below; more under HYPOTHESIS_PROFILE=thorough (make test time)
 # Pinned: dropout with the sequence split over context (ring, all-gather) and over model
 # (sequence parallelism): every shard must drop what one device drops on the whole sequence.
 @example(
