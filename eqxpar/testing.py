@@ -258,6 +258,7 @@ def check_parallel_parity(
     param_specs: PyTree | None = None,
     batch_axis: Any = None,
     strategy: str | None = None,
+    expert_axis: str | None = None,
     steps: int = 1,
     rtol: float = F32_RTOL,
     atol: float = F32_ATOL,
@@ -298,6 +299,9 @@ def check_parallel_parity(
       under `"fsdp"` the mesh's `data` and `fsdp` axes (those it has).
     - `strategy`: `"hybrid"`, `"data"` or `"fsdp"`, as above (any order of checks and
       steps in one process works).
+    - `expert_axis`: the mesh axis a mixture-of-experts model's experts are split over,
+      passed to the step builder (which splits the batch over it too); default `"expert"`
+      on a mesh with an axis of that name, else none.
     - `steps`: how many optimizer steps to compare (on the same batch).
     - `rtol`, `atol`: the tolerance per entry (float32 defaults, see `F32_RTOL`).
 
@@ -315,6 +319,8 @@ def check_parallel_parity(
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"check_parallel_parity: steps must be a positive integer, got {steps!r}.")
     strategy, batch_axis = _strategy(mesh, strategy, batch_axis)
+    if expert_axis is None and "expert" in mesh.axis_names:
+        expert_axis = "expert"
     as_dense = to_dense(parallel_model)
     if jax.tree.structure(as_dense) != jax.tree.structure(dense_model):
         raise ValueError(
@@ -371,11 +377,11 @@ def check_parallel_parity(
         lambda params: (jax.tree.map(jnp.zeros_like, params), optimizer.init(params)),
         keep_update,
     )
-    placed = shard_batch(batch, mesh, batch_axis=batch_axis)
     if param_specs is None and strategy != "fsdp":  # fsdp_step's own default adds the fsdp split
         param_specs = partition_specs(parallel_model, mesh)
     build = {"fsdp": fsdp_step, "hybrid": hybrid_step, "data": data_parallel_step}[strategy]
-    step = build(loss_fn, keeping, mesh, param_specs=param_specs, batch_axis=batch_axis)
+    step = build(loss_fn, keeping, mesh, param_specs=param_specs, batch_axis=batch_axis, expert_axis=expert_axis)
+    placed = shard_batch(batch, mesh, batch_axis=step.batch_axis)  # with an expert axis, split over it too
     model, opt_state = step.init(_copy(parallel_model))
     losses = []
     for i in range(steps):

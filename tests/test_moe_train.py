@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 import eqxpar
 from eqxpar import nn
 from eqxpar.inspect import CommReport, expert_parallel_theory
-from eqxpar.testing import F32_ATOL, F32_RTOL, assert_trees_close, mesh_sizes
+from eqxpar.testing import F32_ATOL, F32_RTOL, assert_trees_close, check_parallel_parity, mesh_sizes
 from eqxpar.train import data_parallel_step, fsdp_step, hybrid_step, shard_batch
 
 VOCAB, DIM, HIDDEN, SEQ = 16, 8, 16, 6
@@ -274,3 +274,18 @@ def test_replicated_groups_must_split_over_the_expert_axis():
     model, opt_state = step.init(model)
     with pytest.raises(ValueError, match=r"6 groups, which do not split; use a multiple of 4"):
         step(model, opt_state, shard_batch(token_batch(6, 0), mesh))
+
+
+def test_the_parity_toolkit_takes_an_expert_axis():
+    """`eqxpar.testing.check_parallel_parity`, as a user checks their own MoE model: on a
+    mesh with an `expert` axis it builds its step with `expert_axis="expert"` (the batch split
+    over data x expert, each device holding its experts) and compares losses, gradients and
+    parameters with one device. Without the expert axis the step would treat the experts'
+    leaves as replicated and refuse them (test_experts_on_a_batch_axis_without_expert_axis)."""
+    model = TinyMoEModel(4, 2, 1.0, key=jax.random.key(0))
+    mesh = eqxpar.make_mesh(data=2, expert=4)
+    report = check_parallel_parity(
+        model, model, loss_fn, optax.sgd(0.05, momentum=0.9), mesh, token_batch(16, 0), steps=2
+    )
+    assert report.losses[-1] < report.losses[0], report
+    assert report.leaves == len(jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
