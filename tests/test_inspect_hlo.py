@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import eqxpar
 from eqxpar.inspect import CommReport, collectives_in_hlo, communication_report, memory_report
+from eqxpar.inspect._hlo import _stablehlo_mesh_axes_groups
 
 FIXTURES = pathlib.Path(__file__).parent / "hlo_fixtures"
 
@@ -85,6 +86,44 @@ def test_explicit_lists_from_shard_map():
 def test_mesh_form_variants(groups, want):
     (op,) = collectives_in_hlo(f"  %r = f32[4]{{0}} all-reduce(%p), replica_groups={groups}, to_apply=%add")
     assert op.replica_groups == want and op.group_size == len(want[0])
+
+
+# JAX 0.11 lowers shard_map's collectives with replica groups naming mesh axes, over the
+# module's `sdy.mesh` declarations (the texts below are JAX 0.11.2's, on a data=2, model=4 mesh).
+SDY_MESHES = {
+    "mesh": 'sdy.mesh @mesh = <["data"=2, "model"=4]> {stablehlo.mesh = {axes = []}}',
+    "mesh_0": 'sdy.mesh @mesh_0 = <["data"=2, "model"=4]>',
+    "permuted": 'sdy.mesh @permuted = <["data"=2, "model"=4], device_ids=[0, 2, 4, 6, 1, 3, 5, 7]>',
+}
+
+
+@pytest.mark.parametrize(
+    "mesh, axes, want",
+    [
+        ("mesh_0", ["model"], ((0, 1, 2, 3), (4, 5, 6, 7))),
+        ("mesh_0", ["data"], ((0, 4), (1, 5), (2, 6), (3, 7))),
+        ("mesh_0", ["data", "model"], (tuple(range(8)),)),
+        ("mesh_0", ["model", "data"], ((0, 4, 1, 5, 2, 6, 3, 7),)),
+        # device ids are positions: the declared order puts devices 0, 2, 4, 6 on data=0
+        ("permuted", ["model"], ((0, 2, 4, 6), (1, 3, 5, 7))),
+    ],
+)
+def test_stablehlo_mesh_axes_form(mesh, axes, want):
+    refs = ", ".join(f'#stablehlo.axis_ref<name = "{a}">' for a in axes)
+    text = f"#stablehlo.replica_group_mesh_axes<mesh = @{mesh}, axes = [{refs}]>"
+    assert _stablehlo_mesh_axes_groups(text, SDY_MESHES) == want
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '#stablehlo.replica_group_mesh_axes<mesh = @nowhere, axes = [#stablehlo.axis_ref<name = "model">]>',
+        '#stablehlo.replica_group_mesh_axes<mesh = @mesh_0, axes = [#stablehlo.axis_ref<name = "m", sub = 2>]>',
+    ],
+)
+def test_stablehlo_mesh_axes_form_it_cannot_read_is_an_error(text):
+    with pytest.raises(ValueError, match="cannot read the replica groups"):
+        _stablehlo_mesh_axes_groups(text, SDY_MESHES)
 
 
 def test_mesh_form_names_an_unknown_axis():
@@ -183,6 +222,7 @@ def test_named_scopes_say_which_layer_issued_each_collective():
         ("jit(step)/transpose(jvp(block_0))/shard_map/attention/psum", ("block_0/attention",)),
         ("jit(f)/blk/transpose(blk)/jvp()/shard_map/ck/ck/checkpoint/rematted_computation/psum", ("blk/ck",)),
         ("jit(f)/shard_map/a/(psum:jit(sub)/mlp/psum)", ("a", "a/mlp")),
+        ("jit(f)/shard_map/b/loop/while/body/eval_jaxpr/step/psum", ("b/loop/step",)),  # JAX 0.11's scan body
         ("jit(flat_fn)/shard_map/transpose(jvp(vmap(vmap())))/psum_invariant", ()),
         (None, ()),
     ],

@@ -28,6 +28,7 @@ _JAX_COMPONENTS = frozenset(
         "custom_jvp_call",
         "custom_vjp_call",
         "custom_vjp_call_jaxpr",
+        "eval_jaxpr",  # JAX 0.11: around a scan body (`loop/eval_jaxpr/step`)
     }
 )
 # Transformations JAX wraps around a component: `transpose(jvp(dense))` is scope `dense`.

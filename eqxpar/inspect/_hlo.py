@@ -12,6 +12,11 @@ XLA prints a collective's replica groups in one of three forms, all read here:
   numbered, and the groups are mapped back to the user's mesh axes by device id
   ([`eqxpar.inspect.Collective.axes`][]).
 
+A lowered module (StableHLO) holds explicit lists, or (JAX 0.11) the mesh-axes form
+`#stablehlo.replica_group_mesh_axes<mesh = @mesh_0, axes = [#stablehlo.axis_ref<name =
+"model">]>`, whose mesh is one of the module's `sdy.mesh` declarations: read the same way as
+the mesh form.
+
 Device ids are logical (`use_global_device_ids=true`): positions in the program's device
 assignment, i.e. in `mesh.devices.flat` for a program on that mesh.
 """
@@ -237,10 +242,12 @@ def collectives_in_lowered(lowered: Any) -> tuple[Collective, ...]:
     module = unwrap(lowered, "lowered").compiler_ir("stablehlo")
     found: list[Collective] = []
     with module.context:
-        functions = {}
+        functions, meshes = {}, {}
         for op in module.body.operations:
             if op.operation.name == "func.func":
                 functions[ir.StringAttr(op.operation.attributes["sym_name"]).value] = op.operation
+            elif op.operation.name == "sdy.mesh":
+                meshes[ir.StringAttr(op.operation.attributes["sym_name"]).value] = str(op.operation)
         # From the entry point, following calls: JAX emits an inner `jax.jit` (or a cached
         # function) once as a private function and calls it from every place it is used.
         entry = functions.get("main")
@@ -251,9 +258,13 @@ def collectives_in_lowered(lowered: Any) -> tuple[Collective, ...]:
             types = [ir.RankedTensorType(r.type) for r in op.results]
             groups = None
             if "replica_groups" in op.attributes:
-                table = np.array(ir.DenseIntElementsAttr(op.attributes["replica_groups"]))
-                # StableHLO pads uneven groups with -1.
-                groups = tuple(tuple(int(d) for d in row if d >= 0) for row in table.reshape(table.shape[0], -1))
+                attribute = op.attributes["replica_groups"]
+                try:
+                    table = np.array(ir.DenseIntElementsAttr(attribute))
+                except ValueError:  # not a list: JAX 0.11's mesh-axes form
+                    groups = _stablehlo_mesh_axes_groups(str(attribute), meshes)
+                else:  # StableHLO pads uneven groups with -1.
+                    groups = tuple(tuple(int(d) for d in row if d >= 0) for row in table.reshape(table.shape[0], -1))
             pairs = None
             if "source_target_pairs" in op.attributes:
                 table = np.array(ir.DenseIntElementsAttr(op.attributes["source_target_pairs"]))
@@ -273,6 +284,26 @@ def collectives_in_lowered(lowered: Any) -> tuple[Collective, ...]:
                 * times
             )
     return tuple(found)
+
+
+_SDY_MESH = re.compile(r"<\[(?P<axes>[^\]]*)\](?:,\s*device_ids=\[(?P<ids>[0-9,\s]*)\])?>")
+_AXIS_REF = re.compile(r'axis_ref<name\s*=\s*"([^"]+)"(?:,\s*sub_axis_info\s*=\s*<(\d+)\s*,\s*(\d+)>)?>')
+
+
+def _stablehlo_mesh_axes_groups(text: str, meshes: dict[str, str]) -> tuple[tuple[int, ...], ...]:
+    """Groups of `#stablehlo.replica_group_mesh_axes<mesh = @name, axes = [...]>` (JAX 0.11's
+    StableHLO), over the module's `sdy.mesh @name = <["data"=2, "model"=4]>`."""
+    name = re.search(r"mesh\s*=\s*@([\w.$-]+)", text)
+    declared = _SDY_MESH.search(meshes.get(name.group(1), "")) if name else None
+    refs = _AXIS_REF.findall(text)
+    if declared is None or not refs or len(refs) != text.count("axis_ref<"):
+        raise ValueError(
+            f"collectives_in_lowered: cannot read the replica groups {text!r} (meshes {sorted(meshes)}); "
+            f"read the compiled program's collectives instead (eqxpar.inspect.collectives_in_hlo)."
+        )
+    group = ",".join(f"'{n}':({pre}){size}" if pre else f"'{n}'" for n, pre, size in refs)
+    ids = declared.group("ids")
+    return _mesh_groups(declared.group("axes"), None if not ids else f"{{{ids}}}", group, text)
 
 
 def _location_name(op) -> str:
