@@ -39,7 +39,9 @@ def test_the_choice_flags():
     """Where the recipes have choices: every flag whose help text used to list them by hand."""
     found = {name: sorted(choices(load_recipe(name).Config)) for name in NAMES}
     gpt = ["attention", "dtype", "model_size", "remat"]
-    assert found["hybrid_gpt"] == found["tensor_parallel"] == gpt
+    assert found["tensor_parallel"] == gpt
+    assert found["hybrid_gpt"] == sorted([*gpt, "layout"])  # --layout mesh|auto (the planner)
+    assert choices(load_recipe("hybrid_gpt").Config)["layout"] == ("mesh", "auto")
     assert found["fsdp"] == ["attention", "dtype"]
     assert found["long_context"] == ["attention", "remat"]
     assert found["pipeline_gpt"] == ["schedule"]

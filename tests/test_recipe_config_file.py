@@ -26,6 +26,10 @@ def other_values(config_cls) -> dict:
             values[field.name] = default + 3
         elif isinstance(default, float):
             values[field.name] = default * 2 + 0.25
+        elif default is None and float in typing.get_args(hint):  # float | None
+            values[field.name] = 0.75
+        elif default is None and int in typing.get_args(hint):  # int | None
+            values[field.name] = 3
         else:  # str, or str | None
             values[field.name] = f"{default or 'some'}_x"
     return values

@@ -292,7 +292,7 @@ def mesh_from_flag(
             if number % size:
                 fits = [d for d in range(1, number + 1) if number % d == 0]
                 raise ValueError(
-                    f"--mesh {text}: {axis}={size} does not divide {what} {number}; use a {axis} size from {fits}."
+                    f"--mesh {text}: {axis}={size} does not divide {what} {number}; choose {axis} from {fits}."
                 )
     if math.prod(sizes.values()) > count:
         need = math.prod(sizes.values())
