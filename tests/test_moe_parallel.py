@@ -74,6 +74,7 @@ def expert_parallel(layer, mesh):
     return mapped, specs, batch
 
 
+@examples(1)  # and the three pins; more under HYPOTHESIS_PROFILE=thorough (make test time)
 @given(
     sizes=meshes,
     experts_per_device=st.sampled_from([1, 2]),

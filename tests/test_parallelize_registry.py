@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _budget import THOROUGH
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -120,7 +121,9 @@ def fused_style():
 
 
 # The fixture registers once per test, not per drawn example: the same style each time.
-@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60 if THOROUGH else 1, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(model=st.sampled_from([2, 4]), seed=st.integers(0, 2**16))
 @example(model=4, seed=0)  # one head per device
 def test_a_registered_style_is_planned_and_trains_as_one_device(fused_style, model, seed):

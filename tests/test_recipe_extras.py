@@ -10,6 +10,7 @@ the lazily imported subpackages), must come from those distributions or the stan
 """
 
 import ast
+import functools
 import importlib
 import importlib.metadata as metadata
 import pathlib
@@ -129,6 +130,7 @@ def imports_of(path: pathlib.Path, module: str | None) -> set[str]:
     return names
 
 
+@functools.cache  # read once per recipe for all the install lines (4 s a line before)
 def third_party_imports(recipe: str) -> dict[str, str]:
     """Top-level names of the non-eqxpar, non-stdlib modules a recipe reaches -> who imports each."""
     todo, seen, found = [(RECIPES / f"{recipe}.py", None)], set(), {}
