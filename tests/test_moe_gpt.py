@@ -22,7 +22,7 @@ from test_moe_train import expert_parity
 import eqxpar
 from eqxpar import nn
 from eqxpar.inspect import CommReport, expert_parallel_theory
-from eqxpar.models import GPT, MoEOptions, moe_aux_loss, next_token_loss
+from eqxpar.models import GPT, MoEOptions, gpt_stages, moe_aux_loss, next_token_loss, stack_blocks
 from eqxpar.testing import mesh_sizes
 from eqxpar.train import data_parallel_step, hybrid_step, shard_batch
 
@@ -220,3 +220,13 @@ def test_indivisible_experts_in_the_gpt_are_named_by_the_step():
     step = hybrid_step(loss_fn, optax.sgd(0.1), eqxpar.make_mesh(data=2, expert=4, model=1), expert_axis="expert")
     with pytest.raises(ValueError, match=r"model.blocks\[0\].moe: num_experts=6 is not divisible by the size 4"):
         step.init(model)
+
+
+def test_an_moe_gpt_is_not_stacked_or_pipelined():
+    """Its blocks are of two kinds and return routing statistics: `stack_blocks` and
+    `gpt_stages` say so and name what to do instead, before anything is traced."""
+    model = moe_gpt(4, every=2)
+    with pytest.raises(ValueError, match="stack_blocks: a GPT with moe= mixes two kinds of block"):
+        stack_blocks(model)
+    with pytest.raises(ValueError, match=r"gpt_stages: a GPT with moe= cannot be pipelined yet.*expert_axis"):
+        gpt_stages().layers(model)

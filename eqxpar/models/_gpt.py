@@ -408,6 +408,10 @@ def stack_blocks(model: GPT) -> GPT:
     """
     if isinstance(model.blocks, StackedLayers):  # model.scan_layers
         return model
+    if getattr(model, "moe", None) is not None:
+        raise ValueError(
+            "stack_blocks: a GPT with moe= mixes two kinds of block, which cannot be stacked; keep the loop."
+        )
     return eqx.tree_at(lambda m: m.blocks, model, StackedLayers(model.blocks, axis_name=model.axis_name))
 
 

@@ -34,6 +34,12 @@ def gpt_stages() -> Stages:
         return mean_cross_entropy(model, head_logits(model, x), tokens[..., 1:])
 
     def layers(model):
+        if getattr(model, "moe", None) is not None:
+            raise ValueError(
+                "gpt_stages: a GPT with moe= cannot be pipelined yet (its blocks return routing "
+                "statistics and auxiliary losses that the pipeline does not carry); train it with "
+                "data, expert and model axes (eqxpar.train.hybrid_step(..., expert_axis=...))."
+            )
         if not model.scan_layers:
             raise ValueError(
                 "gpt_stages: the GPT's blocks must be stacked to split them over stages: build it "
