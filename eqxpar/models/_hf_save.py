@@ -127,8 +127,11 @@ def save_hf(
     several processes, one array's gather; GPT-2's fused `c_attn` needs the query, key and
     value arrays together) and one shard file is written before the next is assembled, so
     the host holds at most one shard's worth and the arrays it is cut from; only process 0
-    writes. A Llama's tensors keep their layouts and names; tied embeddings write no
-    `lm_head.weight`, as transformers does.
+    writes. **Several processes:** for a model whose arrays span processes, every process
+    calls `save_hf` (each gather takes them all) with the same `path` (on a file system they
+    share), and none returns before process 0 has written the whole folder. A Llama's
+    tensors keep their layouts and names; tied embeddings write no `lm_head.weight`, as
+    transformers does.
 
     A GPT's tensors are named as `GPT2LMHeadModel.save_pretrained` names them
     (`transformer.h.0.attn.c_attn.weight`, ...), its `Conv1D` weights transposed to
@@ -234,4 +237,8 @@ def save_hf(
             }
             (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if any(isinstance(a, jax.Array) and not a.is_fully_addressable for a in leaves):
+        # Every process took part in the gathers; without this one more, the others return
+        # while process 0 is still writing, and find the folder empty or half written.
+        multihost_utils.sync_global_devices("eqxpar.models.save_hf: folder written")
     return folder
