@@ -45,24 +45,28 @@ TOKENS = np.random.default_rng(2).integers(0, 50, (2, 16))  # below both vocabul
 
 
 class _Writes:
-    """Every file write `save_hf` can make (a safetensors file, a text file, a folder),
-    recorded by path instead of hidden."""
+    """Every write `save_hf` can make into `folder` (a safetensors file, a text file, the
+    folder itself), recorded by path and then made."""
 
-    def __init__(self, mp: pytest.MonkeyPatch):
+    def __init__(self, mp: pytest.MonkeyPatch, folder: pathlib.Path):
         self.paths: list[str] = []
         save_file, write_text, mkdir = safetensors.numpy.save_file, pathlib.Path.write_text, pathlib.Path.mkdir
         paths = self.paths
 
+        def record(path) -> None:
+            if pathlib.Path(path) == folder or folder in pathlib.Path(path).parents:
+                paths.append(str(path))
+
         def recorded_save_file(tensors, filename, *args, **kwargs):
-            paths.append(str(filename))
+            record(filename)
             return save_file(tensors, filename, *args, **kwargs)
 
         def recorded_write_text(self, *args, **kwargs):
-            paths.append(str(self))
+            record(self)
             return write_text(self, *args, **kwargs)
 
         def recorded_mkdir(self, *args, **kwargs):
-            paths.append(str(self))
+            record(self)
             return mkdir(self, *args, **kwargs)
 
         mp.setattr(safetensors.numpy, "save_file", recorded_save_file)
@@ -98,7 +102,7 @@ def run_case(directory: pathlib.Path, case: str) -> None:
 
     saved = directory / f"{case}_saved_by_two"
     with pytest.MonkeyPatch.context() as mp:
-        writes = _Writes(mp)
+        writes = _Writes(mp, saved)
         save_hf(model, saved, max_shard_bytes=max_shard_bytes)
     found = _folder_contents(saved)  # at once: save_hf has returned in this process
     report = {
