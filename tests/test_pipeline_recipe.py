@@ -13,17 +13,22 @@ SMALL = ("--steps", "2", "--batch-size", "32", "--microbatches", "16", "--contex
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pipeline")
-    return {
-        (schedule, mesh): run_recipe("pipeline_gpt", tmp, "--schedule", schedule, "--mesh", mesh, *SMALL)
+    runs = {
+        (schedule, "stage=4,data=2"): run_recipe(
+            "pipeline_gpt", tmp, "--schedule", schedule, "--mesh", "stage=4,data=2", *SMALL
+        )
         for schedule in ("gpipe", "circular", "1f1b")
-        for mesh in ("stage=1,data=1", "stage=4,data=2")
     }
+    # One device is the reference for every schedule: one run (with one stage there is no
+    # schedule to speak of; make test time).
+    runs["one device"] = run_recipe("pipeline_gpt", tmp, "--mesh", "stage=1,data=1", *SMALL)
+    return runs
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "circular", "1f1b"])
 def test_every_schedule_gives_one_devices_final_loss(runs, schedule):
-    one, pipelined = runs[(schedule, "stage=1,data=1")], runs[(schedule, "stage=4,data=2")]
+    one, pipelined = runs["one device"], runs[(schedule, "stage=4,data=2")]
     np.testing.assert_allclose(pipelined["final_loss"], one["final_loss"], rtol=1e-4)
     assert pipelined["bubble_fraction"] == pytest.approx(pipelined["bubble_theory"], abs=1e-12)
     assert one["bubble_fraction"] == 0.0

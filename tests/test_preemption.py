@@ -116,7 +116,10 @@ def preempt(recipe, nproc, directory, metrics):
             proc.wait()
 
 
-@pytest.mark.parametrize("recipe, nproc", [("multihost", 1), ("multihost", 2), ("hybrid_gpt", 1)])
+# One process of multihost is a heavy variant: two processes and one hybrid_gpt cover its path.
+@pytest.mark.parametrize(
+    "recipe, nproc", [pytest.param("multihost", 1, marks=pytest.mark.thorough), ("multihost", 2), ("hybrid_gpt", 1)]
+)
 def test_sigterm_saves_the_current_step_and_the_resumed_run_ends_bitwise(tmp_path, recipe, nproc):
     directory = tmp_path / "ckpt"
     steps = int(RECIPES[recipe][0][1])
