@@ -33,7 +33,7 @@ from ._communication import gpt_tensor_parallel_theory
 from ._configs import GPT_CONFIGS, GPTConfig, gpt_config
 from ._flops import gpt_flops_per_token, gpt_matmul_params
 from ._generate import generate, whole_logits
-from ._gpt import GPT, next_token_loss, stack_blocks, unstack_blocks
+from ._gpt import GPT, next_token_loss
 from ._hf import load_hf
 from ._hf_save import save_hf
 from ._llama import Llama, llama_flops_per_token, llama_loss, llama_matmul_params
@@ -43,6 +43,7 @@ from ._llama_theory import llama_tensor_parallel_theory
 from ._memory import gpt_activation_theory
 from ._moe_block import MoEBlock, MoEOptions, moe_aux_loss
 from ._moe_llama import LlamaMoEBlock
+from ._stacking import stack_blocks, unstack_blocks
 from ._stages import gpt_stages
 
 __all__ = [

@@ -24,7 +24,7 @@ from ..nn._attention import ATTENTION_IMPLS
 from ._block import REMAT_CHOICES, Remat, TransformerBlock, remat_wrapper, sequence_dropout, split_keys
 from ._moe_block import MoEBlock, MoEOptions, check_model_axis_size, check_moe, gpt_blocks, moe_aux_loss, run_blocks
 
-__all__ = ["GPT", "next_token_loss", "stack_blocks", "unstack_blocks"]
+__all__ = ["GPT", "next_token_loss"]
 
 
 # The mesh axis a context-parallel GPT splits its sequences over (attention_impl "ring"/"all_gather").
@@ -389,44 +389,3 @@ def next_token_loss(
     with jax.named_scope("loss"):
         loss = mean_cross_entropy(model, logits, targets)
         return loss + moe_aux_loss(model, auxes) if auxes else loss
-
-
-def stack_blocks(model: GPT) -> GPT:
-    """The same GPT with its blocks stacked (`scan_layers=True`), sharing nothing mutable.
-
-    Works on the global form, on abstract models and on trees shaped like a GPT's (e.g. a
-    checkpoint restored into the unscanned form): load a checkpoint into the form it was
-    saved in, then convert.
-
-    **Arguments:**
-
-    - `model`: a GPT with `blocks` a tuple (unchanged if already stacked).
-
-    **Returns:**
-
-    The GPT with `blocks` an [`eqxpar.nn.StackedLayers`][].
-    """
-    if isinstance(model.blocks, StackedLayers):  # model.scan_layers
-        return model
-    if getattr(model, "moe", None) is not None:
-        raise ValueError(
-            "stack_blocks: a GPT with moe= mixes two kinds of block, which cannot be stacked; keep the loop."
-        )
-    return eqx.tree_at(lambda m: m.blocks, model, StackedLayers(model.blocks, axis_name=model.axis_name))
-
-
-def unstack_blocks(model: GPT) -> GPT:
-    """The same GPT with its blocks as a tuple of [`eqxpar.models.TransformerBlock`][]s
-    (the inverse of [`eqxpar.models.stack_blocks`][]).
-
-    **Arguments:**
-
-    - `model`: a GPT with stacked blocks (unchanged if they are a tuple already).
-
-    **Returns:**
-
-    The GPT with `blocks` a tuple.
-    """
-    if not isinstance(model.blocks, StackedLayers):  # not model.scan_layers
-        return model
-    return eqx.tree_at(lambda m: m.blocks, model, model.blocks.unstack())

@@ -16,9 +16,10 @@ import jax
 
 from ..nn import ParallelMultiheadAttention, StackedLayers
 from ._block import Remat, TransformerBlock
-from ._gpt import GPT, stack_blocks
+from ._gpt import GPT
 from ._hf_config import INFORMATIONAL_KEYS, config_error
 from ._hf_source import Source
+from ._stacking import stack_blocks
 
 __all__ = [
     "GPT2_PREFIX",
