@@ -28,6 +28,7 @@ from ._moe_router import MoEAux, update_router_bias
 from ._norm import gelu, layer_norm
 from ._parallelize import auto_plan, parallelize
 from ._plan import Plan, PlanRow
+from ._plan_stacked import VmappedStack
 from ._registry import register_style, unregister_style
 from ._ring_attention import (
     all_gather_attention,
@@ -56,6 +57,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "vocab_parallel_cross_entropy",
     "StackedLayers",
+    "VmappedStack",
     "partition_specs",
     "from_dense",
     "to_dense",
