@@ -63,6 +63,28 @@ def config_error(key: str, problem: str, fix: str) -> ValueError:
     return ValueError(f"load_hf: config.json key {key!r}: {problem}; {fix}")
 
 
+def check_fixed(config: Mapping[str, Any], fixed: Mapping[str, tuple[Any, str]], model: str) -> None:
+    """Every key of `fixed` (key -> (the one value `model` computes, what it means)) that
+    `config` sets holds that value, else a `ValueError` naming the key."""
+    for key, (want, meaning) in fixed.items():
+        if key in config and config[key] != want:
+            raise config_error(
+                key, f"{config[key]!r} is not supported", f"eqxpar's {model} computes {meaning} ({key}={want!r})"
+            )
+
+
+def check_architecture(config: Mapping[str, Any], architecture: str, builds: str) -> None:
+    """`architectures`, where `config` has it, is `[architecture]`, else a `ValueError`;
+    `builds` says what load_hf builds."""
+    architectures = config.get("architectures")
+    if architectures is not None and list(architectures) != [architecture]:
+        raise config_error(
+            "architectures",
+            f"{architectures!r} is not supported",
+            f"load_hf builds {builds} (architectures [{architecture!r}])",
+        )
+
+
 def _rope(rope: Any, key: str) -> tuple[float | None, LlamaRopeScaling | None]:
     """`(theta or None, scaling or None)` of a `rope_parameters`/`rope_scaling` dict."""
     if rope is None:
@@ -123,20 +145,10 @@ def llama_config_from_hf(config: Mapping[str, Any], ignore_keys: Iterable[str] =
       `model_type`, biases, another activation or rotary embedding), an unknown key.
     """
     config = dict(config)
-    for key, (want, meaning) in _FIXED.items():
-        if key == "model_type" and key not in config:
-            raise config_error(key, "missing", "a Hugging Face Llama config.json has model_type 'llama'")
-        if key in config and config[key] != want:
-            raise config_error(
-                key, f"{config[key]!r} is not supported", f"eqxpar's Llama computes {meaning} ({key}={want!r})"
-            )
-    architectures = config.get("architectures")
-    if architectures is not None and list(architectures) != ["LlamaForCausalLM"]:
-        raise config_error(
-            "architectures",
-            f"{architectures!r} is not supported",
-            "load_hf builds a LlamaForCausalLM (architectures ['LlamaForCausalLM'])",
-        )
+    if "model_type" not in config:
+        raise config_error("model_type", "missing", "a Hugging Face Llama config.json has model_type 'llama'")
+    check_fixed(config, _FIXED, "Llama")
+    check_architecture(config, "LlamaForCausalLM", "a LlamaForCausalLM")
     known = set(INFORMATIONAL_KEYS) | set(_SIZES) | set(_OPTIONAL) | set(_FIXED)
     known |= {"rope_parameters", "rope_theta", "rope_scaling"} | set(ignore_keys)
     unknown = sorted(set(config) - known)

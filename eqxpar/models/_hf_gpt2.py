@@ -17,7 +17,7 @@ import jax
 from ..nn import ParallelMultiheadAttention, StackedLayers
 from ._block import Remat, TransformerBlock
 from ._gpt import GPT
-from ._hf_config import INFORMATIONAL_KEYS, config_error
+from ._hf_config import INFORMATIONAL_KEYS, check_architecture, check_fixed, config_error
 from ._hf_source import Source
 from ._stacking import stack_blocks
 
@@ -82,18 +82,8 @@ def gpt2_settings_from_hf(config: Mapping[str, Any], ignore_keys: Iterable[str] 
     """The settings of a `GPT2LMHeadModel` `config.json`; a `ValueError` naming the key for
     anything the GPT cannot compute, for a missing size and for an unknown key."""
     config = dict(config)
-    for key, (want, meaning) in _FIXED.items():
-        if key in config and config[key] != want:
-            raise config_error(
-                key, f"{config[key]!r} is not supported", f"eqxpar's GPT computes {meaning} ({key}={want!r})"
-            )
-    architectures = config.get("architectures")
-    if architectures is not None and list(architectures) != ["GPT2LMHeadModel"]:
-        raise config_error(
-            "architectures",
-            f"{architectures!r} is not supported",
-            "load_hf builds a GPT2LMHeadModel's language model (architectures ['GPT2LMHeadModel'])",
-        )
+    check_fixed(config, _FIXED, "GPT")
+    check_architecture(config, "GPT2LMHeadModel", "a GPT2LMHeadModel's language model")
     known = INFORMATIONAL_KEYS | _UNUSED | set(_SIZES) | set(_FIXED) | set(_DROPOUTS) | set(ignore_keys)
     known |= {"n_inner", "activation_function", "layer_norm_epsilon", "tie_word_embeddings"}
     unknown = sorted(set(config) - known)
