@@ -13,7 +13,7 @@ parameter leaf is in one of two cases for each batch axis:
 Every device differentiates its share of the global-batch mean (its shard's mean divided by
 the number of shards and micro-batches), so the sums above are the global gradient. The
 optimizer is not applied here: the gradients leave the per-device program with their
-specs and the optimizer runs on global arrays (see `_builders.py`).
+specs and the optimizer runs on global arrays (see `_step_body.py`).
 """
 
 from __future__ import annotations
