@@ -52,6 +52,9 @@ class MoEOptions:
     - `expert_hidden`: each expert's SwiGLU hidden size; default `mlp_ratio * dim`.
     - `score`: the router's `"softmax"` or `"sigmoid"` scores.
     - `expert_axis`: the mesh axis the experts are split over.
+    - `normalize_weights`: divide each token's `top_k` scores by their sum, so its experts'
+      weights add up to one (Mixtral: softmax over all experts, then the chosen ones
+      renormalised); False keeps the scores as they are (Switch, GShard).
     """
 
     num_experts: int = 8
@@ -63,6 +66,7 @@ class MoEOptions:
     expert_hidden: int | None = None
     score: str = "softmax"
     expert_axis: str = "expert"
+    normalize_weights: bool = False
 
     def __post_init__(self):
         who = "GPT: moe"
@@ -94,6 +98,8 @@ class MoEOptions:
             raise ValueError(f"{who}.score must be 'softmax' or 'sigmoid', got {self.score!r}.")
         if not isinstance(self.expert_axis, str):
             raise ValueError(f"{who}.expert_axis must be a mesh axis name (a str), got {self.expert_axis!r}.")
+        if not isinstance(self.normalize_weights, bool):
+            raise ValueError(f"{who}.normalize_weights must be True or False, got {self.normalize_weights!r}.")
 
     def is_moe_block(self, index: int) -> bool:
         """Whether block `index` (from 0) is an MoE block: `(index + 1) % every == 0`."""
@@ -157,6 +163,7 @@ class MoEBlock(eqx.Module):
             moe.num_experts,
             moe.top_k,
             score=moe.score,
+            normalize_weights=moe.normalize_weights,
             capacity_factor=moe.capacity_factor,
             axis_name=moe.expert_axis,
             model_axis=axis_name,

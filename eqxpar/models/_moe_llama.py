@@ -64,6 +64,7 @@ class LlamaMoEBlock(eqx.Module):
             moe.num_experts,
             moe.top_k,
             score=moe.score,
+            normalize_weights=moe.normalize_weights,
             capacity_factor=moe.capacity_factor,
             axis_name=moe.expert_axis,
             model_axis=axis_name,
