@@ -1,4 +1,4 @@
-"""Loading a Hugging Face Llama or GPT-2 checkpoint (`config.json` and `.safetensors` shards)
+"""Loading a Hugging Face Llama, Mixtral or GPT-2 checkpoint (`config.json` and `.safetensors` shards)
 straight into its shards on a mesh: every device reads only its own slice of every tensor."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from ._block import REMAT_CHOICES, Remat
 from ._gpt import GPT
 from ._hf_config import llama_config_from_hf
 from ._hf_gpt2 import checkpoint_prefix, gpt2_abstract, gpt2_settings_from_hf, gpt2_sources, is_gpt2_buffer
+from ._hf_mixtral import mixtral_settings_from_hf, moe_source
 from ._hf_source import Source, read_block
 from ._llama import Llama
 
@@ -114,11 +115,14 @@ def _open(folder: pathlib.Path, stack: contextlib.ExitStack, safetensors) -> tup
 
 
 def llama_sources(model: Llama) -> list[Source]:
-    """Per array leaf of a Llama, its `Source`: Hugging Face's tensors as they are."""
-    return [
-        Source(names, tuple(leaf.shape[1:] if stacked else leaf.shape), stacked=stacked)
-        for leaf, (names, stacked) in zip(jax.tree.leaves(model), hf_tensor_names(model))
-    ]
+    """Per array leaf of a Llama, its `Source`: Hugging Face's tensors as they are; with
+    `moe=`, each layer's `block_sparse_moe` as a Mixtral's (router, and each expert's
+    `w1`/`w3`/`w2` stacked and transposed)."""
+    sources = []
+    for leaf, (names, stacked) in zip(jax.tree.leaves(model), hf_tensor_names(model)):
+        moe = None if stacked else moe_source(names[0], tuple(leaf.shape))
+        sources.append(moe or Source(names, tuple(leaf.shape[1:] if stacked else leaf.shape), stacked=stacked))
+    return sources
 
 
 def _check_tensors(sources: list, handles, weight_map, ignorable: Callable[[str], bool], who: str) -> None:
@@ -169,6 +173,25 @@ def _build_array(leaf, source: Source, spec, mesh, handles, weight_map, dtype) -
     return jax.make_array_from_callback(tuple(leaf.shape), NamedSharding(mesh, spec), read, dtype=dtype)
 
 
+def _check_mixtral_layout(mesh: Mesh, strategy: str, scan_layers: bool, axis_name: str, expert_axis: str) -> None:
+    """A Mixtral's placement needs no scan, and both the model and expert axes where it splits."""
+    if scan_layers:
+        raise ValueError(
+            "load_hf: a Mixtral loads with scan_layers=False (its layers are mixtures of experts, which the "
+            "Llama runs in a Python loop); leave scan_layers out."
+        )
+    axes = (axis_name, expert_axis)
+    splits = strategy == "tensor" or (strategy == "fsdp" and any(a in mesh.shape for a in axes))
+    missing = [a for a in axes if a not in mesh.shape]
+    if splits and missing:
+        raise ValueError(
+            f"load_hf: strategy={strategy!r} splits a Mixtral over the model axis {axis_name!r} (heads, "
+            f"vocabulary, each expert's units) and the expert axis {expert_axis!r} (its experts), but the mesh "
+            f"{dict(mesh.shape)} has no {missing}; add them (size 1 keeps that dimension whole), e.g. "
+            f"eqxpar.make_mesh(..., {expert_axis}=2, {axis_name}=1)."
+        )
+
+
 def _is_abstract_array(leaf) -> bool:
     return isinstance(leaf, jax.ShapeDtypeStruct)
 
@@ -185,10 +208,12 @@ def load_hf(
     batch_axis: str = "fsdp",
     min_size: int = 0,
     ignore_keys: Iterable[str] = (),
+    capacity_factor: float | None = None,
+    expert_axis: str = "expert",
 ) -> tuple[Llama | GPT, PyTree[PartitionSpec]]:
     """A Hugging Face checkpoint folder loaded straight into its shards: a `LlamaForCausalLM`
-    as an [`eqxpar.models.Llama`][], a GPT-2 (`GPT2LMHeadModel`) as an
-    [`eqxpar.models.GPT`][].
+    as an [`eqxpar.models.Llama`][], a `MixtralForCausalLM` as a Llama with `moe=`, a GPT-2
+    (`GPT2LMHeadModel`) as an [`eqxpar.models.GPT`][].
 
     Reads `config.json` (for a Llama the keys of current transformers, `rope_parameters`,
     and of older ones, top-level `rope_theta`/`rope_scaling`, with Llama 3's scaling),
@@ -216,6 +241,19 @@ def load_hf(
     `reorder_and_upcast_attn`, `add_cross_attention`, another `activation_function`, an
     `n_inner` that is not a multiple of `n_embd`, `embd_pdrop` different from `resid_pdrop`.
 
+    **Mixtral** (`model_type: "mixtral"`): a Llama whose every layer is an
+    [`eqxpar.models.LlamaMoEBlock`][], built with `moe=MoEOptions(num_local_experts,
+    num_experts_per_tok, normalize_weights=True, capacity_factor=capacity_factor)`: the
+    router's softmax over all experts, the `k` best kept and divided by their sum, as
+    transformers computes; dropless by default, so the logits are transformers'. Each
+    device reads its experts' slices of the experts' `w1`, `w3` and `w2` (stacked into the
+    layer's `gate`, `up` and `down`, transposed) and the router `gate` whole. The experts are
+    split over `expert_axis` (`"tensor"`, and `"fsdp"` on a mesh with the model or expert
+    axis, need both axes in the mesh; size 1 keeps a dimension whole). `router_aux_loss_coef`
+    becomes the model's `aux_loss_weight` (see `eqxpar/models/_hf_mixtral.py`);
+    `router_jitter_noise` other than 0 and a `sliding_window` shorter than
+    `max_position_embeddings` are refused by name.
+
     ```python
     mesh = eqxpar.make_mesh(fsdp=2, model=4)
     model, specs = eqxpar.models.load_hf("Llama-3.2-1B/", mesh, strategy="fsdp")
@@ -236,6 +274,10 @@ def load_hf(
     - `batch_axis`, `min_size`: as for [`eqxpar.train.fsdp_specs`][] (`"fsdp"` only).
     - `ignore_keys`: `config.json` keys to skip that eqxpar does not know and that do not
       change the computation.
+    - `capacity_factor`: a Mixtral's experts' capacity per sequence (tokens over it are
+      dropped, as training with capacity does); default None, dropless, what transformers
+      computes. Only for a Mixtral.
+    - `expert_axis`: the mesh axis a Mixtral's experts are split over. Only for a Mixtral.
 
     **Returns:**
 
@@ -265,24 +307,34 @@ def load_hf(
     safetensors = safetensors_module("eqxpar.models.load_hf")
     folder = pathlib.Path(path)
     raw = read_hf_config(folder)
+    mixtral = raw.get("model_type") == "mixtral"
+    if not mixtral and (capacity_factor is not None or expert_axis != "expert"):
+        raise ValueError(
+            f"load_hf: capacity_factor and expert_axis are for a Mixtral checkpoint's experts, but this one's "
+            f"model_type is {raw.get('model_type')!r}; leave them out."
+        )
     if raw.get("model_type") == "gpt2":
         settings = gpt2_settings_from_hf(raw, ignore_keys)
         abstract = gpt2_abstract(settings, scan_layers=scan_layers, remat=remat, axis_name=axis_name)
     else:
+        moe = None
+        if mixtral:
+            config, moe = mixtral_settings_from_hf(
+                raw, ignore_keys, capacity_factor=capacity_factor, expert_axis=expert_axis
+            )
+            _check_mixtral_layout(mesh, strategy, scan_layers, axis_name, expert_axis)
+        else:
+            config = llama_config_from_hf(raw, ignore_keys)
         abstract = eqx.filter_eval_shape(
-            Llama,
-            llama_config_from_hf(raw, ignore_keys),
-            scan_layers=scan_layers,
-            remat=remat,
-            axis_name=axis_name,
-            key=jax.random.key(0),
+            Llama, config, scan_layers=scan_layers, remat=remat, moe=moe, axis_name=axis_name, key=jax.random.key(0)
         )
     if strategy == "replicated":
         specs = jax.tree.map(lambda leaf: PartitionSpec() if _is_abstract_array(leaf) else None, abstract)
     elif strategy == "tensor":
         specs = partition_specs(abstract, mesh)
     else:
-        base = partition_specs(abstract, mesh) if axis_name in mesh.shape else PartitionSpec()
+        split = axis_name in mesh.shape or (mixtral and expert_axis in mesh.shape)
+        base = partition_specs(abstract, mesh) if split else PartitionSpec()
         specs = fsdp_specs(abstract, mesh, batch_axis=batch_axis, param_specs=base, min_size=min_size)
     leaves, treedef = jax.tree.flatten(abstract)
     spec_leaves = treedef.flatten_up_to(specs)
@@ -298,7 +350,7 @@ def load_hf(
             sources = iter(llama_sources(abstract))
             tied = abstract.config.tie_embeddings
             ignorable = lambda n: n.endswith("rotary_emb.inv_freq") or (tied and n == "lm_head.weight")  # noqa: E731
-            who = "a LlamaForCausalLM"
+            who = "a MixtralForCausalLM" if mixtral else "a LlamaForCausalLM"
         placed = [
             (leaf, next(sources) if _is_abstract_array(leaf) else None, spec) for leaf, spec in zip(leaves, spec_leaves)
         ]

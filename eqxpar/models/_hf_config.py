@@ -4,13 +4,14 @@ anything the Llama cannot compute refused by name."""
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ._llama_config import LlamaConfig, LlamaRopeScaling
 
-__all__ = ["llama_config_from_hf", "hf_config_dict", "INFORMATIONAL_KEYS", "config_error"]
+__all__ = ["llama_config_from_hf", "hf_config_dict", "INFORMATIONAL_KEYS", "config_error", "HfFamily", "LLAMA"]
 
 # Keys that describe the file, the tokenizer or generation, never the computation.
 INFORMATIONAL_KEYS = frozenset(
@@ -57,6 +58,23 @@ _FIXED = {
     "attention_dropout": (0.0, "no attention dropout"),
 }
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclasses.dataclass(frozen=True)
+class HfFamily:
+    """A Hugging Face architecture whose attention, norms and rotary embedding are the
+    Llama's (read by `llama_config_from_hf`): its names, its transformers defaults for the
+    optional keys, and the keys its own reader checks (e.g. Mixtral's experts)."""
+
+    name: str  # in messages: "eqxpar's {name} loader"
+    model_type: str
+    architecture: str
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # key -> default, over _OPTIONAL's
+    rope_theta: float = 10000.0  # transformers' default rotary base
+    extra_keys: frozenset[str] = frozenset()
+
+
+LLAMA = HfFamily("Llama", "llama", "LlamaForCausalLM")
 
 
 def config_error(key: str, problem: str, fix: str) -> ValueError:
@@ -126,7 +144,9 @@ def _rope(rope: Any, key: str) -> tuple[float | None, LlamaRopeScaling | None]:
         raise config_error(key, str(error), "fix the scaling's values") from None
 
 
-def llama_config_from_hf(config: Mapping[str, Any], ignore_keys: Iterable[str] = ()) -> LlamaConfig:
+def llama_config_from_hf(
+    config: Mapping[str, Any], ignore_keys: Iterable[str] = (), *, family: HfFamily = LLAMA
+) -> LlamaConfig:
     """The [`eqxpar.models.LlamaConfig`][] of a Hugging Face `LlamaForCausalLM` `config.json`.
 
     **Arguments:**
@@ -134,6 +154,8 @@ def llama_config_from_hf(config: Mapping[str, Any], ignore_keys: Iterable[str] =
     - `config`: the parsed `config.json`.
     - `ignore_keys`: further keys to skip (ones eqxpar does not know and that do not change
       the computation).
+    - `family`: the architecture (default the Llama; Mixtral's reader passes its own, whose
+      expert keys it checks itself).
 
     **Returns:**
 
@@ -145,25 +167,32 @@ def llama_config_from_hf(config: Mapping[str, Any], ignore_keys: Iterable[str] =
       `model_type`, biases, another activation or rotary embedding), an unknown key.
     """
     config = dict(config)
+    name = family.name
     if "model_type" not in config:
-        raise config_error("model_type", "missing", "a Hugging Face Llama config.json has model_type 'llama'")
-    check_fixed(config, _FIXED, "Llama")
-    check_architecture(config, "LlamaForCausalLM", "a LlamaForCausalLM")
-    known = set(INFORMATIONAL_KEYS) | set(_SIZES) | set(_OPTIONAL) | set(_FIXED)
+        raise config_error(
+            "model_type", "missing", f"a Hugging Face {name} config.json has model_type {family.model_type!r}"
+        )
+    fixed = dict(_FIXED)
+    if family != LLAMA:
+        fixed["model_type"] = (family.model_type, f"a {name} checkpoint (model_type {family.model_type!r})")
+    check_fixed(config, fixed, name)
+    check_architecture(config, family.architecture, f"a {family.architecture}")
+    known = set(INFORMATIONAL_KEYS) | set(_SIZES) | set(_OPTIONAL) | set(_FIXED) | family.extra_keys
     known |= {"rope_parameters", "rope_theta", "rope_scaling"} | set(ignore_keys)
     unknown = sorted(set(config) - known)
     if unknown:
         raise config_error(
             unknown[0],
-            "unknown to eqxpar's Llama loader",
+            f"unknown to eqxpar's {name} loader",
             f"if it does not change the computation, pass ignore_keys=[{unknown[0]!r}] (unknown keys: {unknown})",
         )
     fields: dict[str, Any] = {}
     for key, field in _SIZES.items():
         if key not in config:
-            raise config_error(key, "missing", "every Llama config.json gives it")
+            raise config_error(key, "missing", f"every {name} config.json gives it")
         fields[field] = config[key]
     for key, (field, default) in _OPTIONAL.items():
+        default = family.defaults.get(key, default)
         value = config.get(key, default)
         fields[field] = default if value is None else value
     for key in list(_SIZES) + ["num_key_value_heads", "head_dim", "max_position_embeddings"]:
@@ -199,7 +228,7 @@ def llama_config_from_hf(config: Mapping[str, Any], ignore_keys: Iterable[str] =
         theta, scaling = (new_theta if new_theta is not None else old_theta), new_scaling
     else:
         theta, scaling = old_theta, old_scaling
-    theta = 10000.0 if theta is None else theta
+    theta = family.rope_theta if theta is None else theta
     for key, value in (("rope_theta", theta), ("rms_norm_eps", fields["norm_eps"])):
         if not isinstance(value, numbers.Real) or isinstance(value, bool) or value <= 0:
             raise config_error(key, f"must be a positive number, got {value!r}", "fix the value")

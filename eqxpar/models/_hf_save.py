@@ -18,6 +18,7 @@ from ._gpt import GPT
 from ._hf import INDEX, SINGLE, llama_sources, safetensors_module
 from ._hf_config import hf_config_dict
 from ._hf_gpt2 import GPT2_PREFIX, gpt2_config_dict, gpt2_sources, gpt2_tensor_shapes
+from ._hf_mixtral import check_mixtral_options, mixtral_config_dict
 from ._hf_source import Source, assemble
 from ._llama import Llama
 
@@ -84,7 +85,11 @@ def _plan(model: Llama | GPT, tie_embeddings: bool | None, dtype_name: str):
             )
         arrays = jax.tree.leaves(model)
         sources: list[Source | None] = list(llama_sources(model))
-        config = hf_config_dict(model.config, dtype_name)
+        if model.moe is None:
+            config = hf_config_dict(model.config, dtype_name)
+        else:
+            check_mixtral_options(model.moe)
+            config = mixtral_config_dict(model.config, model.moe, dtype_name)
         shapes = {name: s.shape for s in sources if s is not None for name in s.names}
     else:
         tied = _tied(model, tie_embeddings)
@@ -116,7 +121,7 @@ def save_hf(
     tie_embeddings: bool | None = None,
 ) -> pathlib.Path:
     """Write `model` as a Hugging Face checkpoint folder: a Llama as a `LlamaForCausalLM`,
-    a GPT as a `GPT2LMHeadModel`.
+    a Llama with `moe=` as a `MixtralForCausalLM`, a GPT as a `GPT2LMHeadModel`.
 
     `config.json` gets every field of the model's config (for a Llama `model_type: "llama"`,
     the rotary settings as top-level `rope_theta` and `rope_scaling`; for a GPT `model_type:
@@ -132,6 +137,16 @@ def save_hf(
     share), and none returns before process 0 has written the whole folder. A Llama's
     tensors keep their layouts and names; tied embeddings write no `lm_head.weight`, as
     transformers does.
+
+    A **Mixtral** (a Llama with `moe=`, every layer an expert layer with softmax scores and
+    `normalize_weights=True`, as `load_hf` builds it) gets `model_type: "mixtral"`, its
+    experts' `intermediate_size`, `num_local_experts`, `num_experts_per_tok`, and
+    `router_aux_loss_coef` from `aux_loss_weight` (inverting `load_hf`'s scaling; with a
+    weight of 0, `output_router_logits: false` and transformers' default coefficient);
+    each layer's router is written as `block_sparse_moe.gate.weight` and its stacked
+    experts as `block_sparse_moe.experts.{j}.w1/w3/w2.weight` (`[out, in]`). transformers
+    computes a Mixtral dropless: a model trained with a `capacity_factor` is saved as it is,
+    and computes in transformers what it computes in eqxpar with `capacity_factor=None`.
 
     A GPT's tensors are named as `GPT2LMHeadModel.save_pretrained` names them
     (`transformer.h.0.attn.c_attn.weight`, ...), its `Conv1D` weights transposed to
@@ -168,7 +183,8 @@ def save_hf(
       non-positive `max_shard_bytes`, a path that is a file, a folder that already holds
       checkpoint files (naming them: write to a new folder), `tie_embeddings` given for a
       Llama, `tie_embeddings=True` for a GPT whose head differs from its embedding, or a
-      GPT whose layer norms GPT-2 cannot express (different epsilons).
+      GPT whose layer norms GPT-2 cannot express (different epsilons), or a Llama with
+      `moe=` options no Mixtral has (`every` > 1, sigmoid scores, `normalize_weights=False`).
     - `MissingDependency` (an `ImportError`) without `safetensors`: `pip install "eqxpar[hf]"`.
     """
     if not isinstance(model, (Llama, GPT)):
