@@ -71,6 +71,34 @@ def hugging_face_gpt2(tie: bool, seed: int):
     return _randomise(model, lambda name: ".ln_" in name and name.endswith("weight"))
 
 
+def hugging_face_mixtral(tie: bool, seed: int):
+    """A random `MixtralForCausalLM` (float32, eval mode): 8 heads (4 key/value heads) over
+    hidden size 32, 2 layers of 4 experts of 24 units, 2 chosen per token, rotary base 5e5,
+    in the config style of the installed transformers."""
+    config = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=16,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        router_jitter_noise=0.0,
+        sliding_window=None,
+    )
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        config["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+    else:
+        config["rope_theta"] = 500000.0
+    torch.manual_seed(seed)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**config)).eval().float()
+    return _randomise(model, lambda name: "norm" in name)
+
+
 def torch_logits(model, tokens: np.ndarray) -> np.ndarray:
     with torch.no_grad():
         return model(torch.tensor(tokens)).logits.float().numpy()

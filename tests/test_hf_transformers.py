@@ -9,8 +9,14 @@ with transformers 4.46.3: all pass; logits within 1.3e-6 of the largest logit (e
 rtol 1e-5), and save_hf's folders load to the same tensors bit for bit.
 
 The GPT-2 test does the same with `GPT2LMHeadModel` (tied and untied, one file and shards)
-into an eqxpar.models.GPT. It was written where torch could not be installed and has not
-been run yet; tests/test_hf_gpt2.py checks the same mapping against a numpy GPT-2.
+into an eqxpar.models.GPT, and the Mixtral test with `MixtralForCausalLM` into a Llama with
+`moe=` (one device, and the experts split over `expert` with their units over `model`, under
+FSDP too). Both were run by hand on 2026-11-26 with torch 2.13.0+cpu and transformers 5.17.0
+(the whole file: 13 passed): GPT-2 logits within 8.8e-7 and Mixtral's within 1.1e-6 of the
+largest logit, save_hf's folders read back by `from_pretrained` bit for bit (transformers
+5.x fuses a Mixtral's experts in memory, but its save_pretrained writes the per-expert
+`w1`/`w2`/`w3` tensors load_hf reads). tests/test_hf_gpt2.py and tests/test_mixtral_hf.py
+check the same mappings against numpy forwards in CI.
 """
 
 import equinox as eqx
@@ -22,6 +28,7 @@ from _hf_transformers_models import (  # skips without torch and transformers
     SCALING,
     hugging_face_gpt2,
     hugging_face_llama,
+    hugging_face_mixtral,
     torch,
     torch_logits,
     transformers,
@@ -122,6 +129,41 @@ def test_transformers_gpt2_folders_in_and_out(tmp_path, tie, shard_size, sizes, 
     out = save_hf(model, tmp_path / "eqxpar", max_shard_bytes=2**31 if shard_size is None else 20_000)
     back = transformers.GPT2LMHeadModel.from_pretrained(out).eval().float()
     assert back.config.tie_word_embeddings == tie
+    original, loaded = reference.state_dict(), back.state_dict()
+    assert set(original) == set(loaded)
+    for name, tensor in original.items():  # every tensor bit for bit
+        np.testing.assert_array_equal(loaded[name].numpy(), tensor.numpy(), err_msg=name)
+    np.testing.assert_array_equal(torch_logits(back, tokens), want)
+
+
+@pytest.mark.parametrize(
+    "tie, shard_size, sizes, strategy",
+    [
+        (False, None, {"expert": 1, "model": 1}, "replicated"),
+        (True, "20KB", {"expert": 2, "model": 2}, "tensor"),
+        (False, None, {"fsdp": 2, "expert": 2, "model": 2}, "fsdp"),
+    ],
+)
+def test_transformers_mixtral_folders_in_and_out(tmp_path, tie, shard_size, sizes, strategy):
+    reference = hugging_face_mixtral(tie, seed=len(sizes) + tie)
+    kwargs = {} if shard_size is None else {"max_shard_size": shard_size}
+    reference.save_pretrained(tmp_path / "hf", **kwargs)
+    tokens = np.random.default_rng(6).integers(0, 64, (4, 16))
+    want = torch_logits(reference, tokens)
+
+    mesh = eqxpar.make_mesh(**sizes)
+    model, _ = load_hf(tmp_path / "hf", mesh, strategy=strategy)
+    assert model.moe is not None and model.moe.normalize_weights and model.moe.capacity_factor is None
+    got = eqxpar_logits(model, mesh, tokens)
+    scale = np.abs(want).max()
+    print(
+        f"Mixtral {sizes} {strategy}: largest logit error {np.abs(got - want).max() / scale:.1e} of the largest logit"
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * scale)
+
+    out = save_hf(model, tmp_path / "eqxpar", max_shard_bytes=2**31 if shard_size is None else 20_000)
+    back = transformers.MixtralForCausalLM.from_pretrained(out).eval().float()
+    assert back.config.tie_word_embeddings == tie and back.config.num_local_experts == 4
     original, loaded = reference.state_dict(), back.state_dict()
     assert set(original) == set(loaded)
     for name, tensor in original.items():  # every tensor bit for bit

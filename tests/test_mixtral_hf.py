@@ -187,6 +187,57 @@ def test_expert_options_and_training_keys(tmp_path):
     assert (written["output_router_logits"], written["router_aux_loss_coef"]) == (True, 0.02)
 
 
+# transformers 5.17.0's MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=24,
+# num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=8,
+# max_position_embeddings=16, num_local_experts=4, num_experts_per_tok=2,
+# output_router_logits=True, router_aux_loss_coef=0.02).save_pretrained(...), pasted verbatim.
+WRITTEN_BY_TRANSFORMERS_5_17 = {
+    "attention_dropout": 0.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "head_dim": 8,
+    "hidden_act": "silu",
+    "hidden_size": 32,
+    "initializer_range": 0.02,
+    "intermediate_size": 24,
+    "max_position_embeddings": 16,
+    "model_type": "mixtral",
+    "num_attention_heads": 8,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 4,
+    "num_local_experts": 4,
+    "output_router_logits": True,
+    "pad_token_id": None,
+    "rms_norm_eps": 1e-05,
+    "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+    "router_aux_loss_coef": 0.02,
+    "router_jitter_noise": 0.0,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "transformers_version": "5.17.0",
+    "use_cache": True,
+    "vocab_size": 64,
+}
+
+
+def test_a_config_written_by_transformers_reads():
+    config, moe = mixtral_settings_from_hf(WRITTEN_BY_TRANSFORMERS_5_17)
+    assert config == LlamaConfig(
+        vocab_size=64,
+        dim=32,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=8,
+        hidden_dim=24,
+        rope_theta=1e6,
+        norm_eps=1e-5,
+        max_seq_len=16,
+    )
+    assert moe == MoEOptions(4, 2, capacity_factor=None, aux_loss_weight=0.02, normalize_weights=True)
+
+
 def test_the_hub_mixtral_8x7b_config_gives_its_shape():
     # Mixtral-8x7B-v0.1's config.json on the Hub (transformers 4.36 wrote it); its parameter
     # count, 46.7B, is the published one.
