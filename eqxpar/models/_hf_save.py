@@ -144,9 +144,10 @@ def save_hf(
     `router_aux_loss_coef` from `aux_loss_weight` (inverting `load_hf`'s scaling; with a
     weight of 0, `output_router_logits: false` and transformers' default coefficient);
     each layer's router is written as `block_sparse_moe.gate.weight` and its stacked
-    experts as `block_sparse_moe.experts.{j}.w1/w3/w2.weight` (`[out, in]`). transformers
-    computes a Mixtral dropless: a model trained with a `capacity_factor` is saved as it is,
-    and computes in transformers what it computes in eqxpar with `capacity_factor=None`.
+    experts as each expert's `w1`, `w3` and `w2` (`block_sparse_moe.experts.0.w1.weight`,
+    ..., `[out, in]`). transformers computes a Mixtral dropless: a model trained with a
+    `capacity_factor` is saved as it is, and computes in transformers what it computes in
+    eqxpar with `capacity_factor=None`.
 
     A GPT's tensors are named as `GPT2LMHeadModel.save_pretrained` names them
     (`transformer.h.0.attn.c_attn.weight`, ...), its `Conv1D` weights transposed to
