@@ -14,6 +14,7 @@ import json
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from _hf_files import CountingReads, config_json, hf_tensors, write_checkpoint
@@ -109,6 +110,23 @@ def test_round_trip_is_bit_exact(checkpoint, tmp_path, max_shard_bytes):
     assert again.config == model.config and again.moe == model.moe
     for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(model)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bfloat16_folders_in_and_out(tmp_path):
+    """The Hub's Mixtral weights are bfloat16: read as float32 by default (exactly), and
+    written back as bfloat16 bit for bit."""
+    tensors = mixtral_tensors(4)
+    folder = write_checkpoint(tmp_path / "bf16", tensors, mixtral_config_json(), bfloat16=True)
+    model, _ = load_hf(folder, eqxpar.make_mesh(expert=2, model=2), strategy="tensor")
+    name = "model.layers.0.block_sparse_moe.experts.1.w2.weight"
+    want = tensors[name].astype(ml_dtypes.bfloat16)
+    got = model.layers[0].block_sparse_moe.down[1]
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got), want.astype(np.float32).T)
+    written = read_folder(save_hf(model, tmp_path / "out", dtype="bfloat16"))
+    for key, array in tensors.items():
+        assert written[key].dtype == ml_dtypes.bfloat16
+        np.testing.assert_array_equal(written[key].view(np.uint16), array.astype(ml_dtypes.bfloat16).view(np.uint16))
 
 
 def test_each_device_reads_only_its_slice(checkpoint, monkeypatch):
