@@ -24,6 +24,9 @@ it with `expert_axis="expert"` in the step builder).
 rotary embeddings, grouped-query attention, SwiGLU, optional tied embeddings), its fields
 named as Hugging Face's `LlamaForCausalLM`, with shapes from a CPU demo to Llama-3-8B's
 ([`eqxpar.models.llama_config`][]); train it with [`eqxpar.models.llama_loss`][].
+It runs under every strategy the GPT does: tensor, sequence
+(`sequence_parallel=True`) and context parallelism (`attention_impl="ring"` or
+`"all_gather"`), FSDP, and a pipeline ([`eqxpar.models.llama_stages`][]).
 [`eqxpar.models.load_hf`][] loads a Hugging Face Llama checkpoint straight into its shards
 on a mesh and [`eqxpar.models.save_hf`][] writes one back.
 """
@@ -39,6 +42,7 @@ from ._hf_save import save_hf
 from ._llama import Llama, llama_flops_per_token, llama_loss, llama_matmul_params
 from ._llama_config import LLAMA_CONFIGS, LlamaConfig, LlamaRopeScaling, llama_config
 from ._llama_layers import LlamaAttention, LlamaBlock, LlamaMLP, RMSNorm, apply_rotary, rope_frequencies
+from ._llama_stages import llama_stages
 from ._llama_theory import llama_tensor_parallel_theory
 from ._memory import gpt_activation_theory
 from ._moe_block import MoEBlock, MoEOptions, moe_aux_loss
@@ -84,6 +88,7 @@ __all__ = [
     "rope_frequencies",
     "apply_rotary",
     "llama_tensor_parallel_theory",
+    "llama_stages",
     "load_hf",
     "save_hf",
 ]

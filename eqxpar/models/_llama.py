@@ -7,7 +7,6 @@ import numbers
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..inspect import transformer_flops_per_token
@@ -16,11 +15,11 @@ from ..nn import (
     StackedLayers,
     TensorParallelLayer,
     VocabParallelEmbedding,
-    vocab_parallel_cross_entropy,
 )
 from ._block import REMAT_CHOICES, Remat, remat_wrapper
 from ._llama_config import LlamaConfig
-from ._llama_layers import LlamaBlock, RMSNorm, normal_linear, rope_angles, rope_frequencies
+from ._llama_layers import LLAMA_ATTENTION_IMPLS, LlamaBlock, RMSNorm, normal_linear
+from ._llama_parts import CONTEXT_IMPLS, embed, head_logits, mean_cross_entropy, rotary_angles
 from ._moe_block import MoEOptions, check_model_axis_size, moe_aux_loss, run_blocks
 from ._moe_llama import LlamaMoEBlock, llama_blocks
 
@@ -55,6 +54,27 @@ class Llama(TensorParallelLayer):
     them stacked, as one [`eqxpar.nn.StackedLayers`][], run with `jax.lax.scan` (one
     compiled block whatever the depth). `remat` takes the GPT's choices (see
     [`eqxpar.models.GPT`][]).
+
+    **Sequence parallelism.** `sequence_parallel=True` (Megatron-LM's
+    `--sequence-parallel`) splits the residual stream along the sequence over the model
+    axis between the tensor-parallel regions: the embedding reduce-scatters its lookup,
+    every RMSNorm and residual add runs on `seq / N` positions, each attention and MLP
+    all-gathers its normalised input and reduce-scatters its output, and the head
+    all-gathers the final norm's output. The same weights, the same results and the same
+    bytes on the wire as without it; `1 / N` of the residual activations per device. The
+    tokens per sequence (per context shard) must be divisible by `N`.
+
+    **Context parallelism.** `attention_impl="ring"` or `"all_gather"` splits every
+    sequence over a mesh axis named `"context"` in zigzag layout
+    ([`eqxpar.nn.zigzag_order`][]): each device holds `seq / C` tokens of every sequence,
+    its rotary embeddings use those tokens' global positions
+    ([`eqxpar.nn.context_positions`][]; not `0 .. seq / C - 1`), and attention fetches the
+    other devices' keys and values by a ring of `ppermute`s
+    ([`eqxpar.nn.ring_attention`][]) or one all-gather
+    ([`eqxpar.nn.all_gather_attention`][]). Train it with `context_axis="context"` in the
+    step builder and batches of `(inputs, targets)` laid out as the devices hold them (see
+    [`eqxpar.models.llama_loss`][]). Composes with `sequence_parallel`.
+    [`eqxpar.models.llama_stages`][] cuts the Llama for a pipeline.
     """
 
     embed_tokens: VocabParallelEmbedding
@@ -65,6 +85,8 @@ class Llama(TensorParallelLayer):
     remat: Remat = eqx.field(static=True)
     axis_name: str = eqx.field(static=True)
     moe: MoEOptions | None = eqx.field(static=True)
+    sequence_parallel: bool = eqx.field(static=True)
+    attention_impl: str = eqx.field(static=True)
 
     def __init__(
         self,
@@ -74,6 +96,8 @@ class Llama(TensorParallelLayer):
         remat: Remat = "none",
         init_std: float = 0.02,
         moe: MoEOptions | None = None,
+        sequence_parallel: bool = False,
+        attention_impl: str = "dot_product",
         axis_name: str = "model",
         key: PRNGKeyArray,
     ):
@@ -91,6 +115,11 @@ class Llama(TensorParallelLayer):
           Mixtral-style), or None. Needs `scan_layers=False`; train it with
           `expert_axis=moe.expert_axis` in the step builder. (`eqxpar.models.save_hf` and
           `load_hf` know the dense Llama only.)
+        - `sequence_parallel`: split the residual stream along the sequence over the model
+          axis (see above).
+        - `attention_impl`: `"dot_product"` (whole sequences on each device; cuDNN's fused
+          kernel on a GPU that has it), or `"ring"` / `"all_gather"` for context
+          parallelism over the `"context"` mesh axis (see above).
         - `axis_name`: the model axis every tensor-parallel layer is split over.
         - `key`: the initialisation key. The same key gives the same weights for either
           block layout and any mesh.
@@ -98,8 +127,9 @@ class Llama(TensorParallelLayer):
         **Raises:**
 
         - `ValueError` for a config that is not a `LlamaConfig`, an unknown `remat`, a
-          non-boolean `scan_layers`, a non-positive `init_std`, a non-string `axis_name`,
-          or `moe=` options it cannot take.
+          non-boolean `scan_layers` or `sequence_parallel`, an unknown `attention_impl`, a
+          non-positive `init_std`, a non-string `axis_name`, or `moe=` options it cannot
+          take (with a split sequence among them).
         """
         if not isinstance(config, LlamaConfig):
             raise ValueError(
@@ -108,8 +138,14 @@ class Llama(TensorParallelLayer):
             )
         if remat not in REMAT_CHOICES:
             raise ValueError(f"Llama: remat must be one of {REMAT_CHOICES}, got {remat!r}.")
-        if isinstance(scan_layers, str) or scan_layers not in (True, False):
-            raise ValueError(f"Llama: scan_layers must be True or False, got {scan_layers!r}.")
+        for name, value in (("scan_layers", scan_layers), ("sequence_parallel", sequence_parallel)):
+            if isinstance(value, str) or value not in (True, False):
+                raise ValueError(f"Llama: {name} must be True or False, got {value!r}.")
+        if attention_impl not in LLAMA_ATTENTION_IMPLS:
+            raise ValueError(
+                f"Llama: attention_impl must be one of {LLAMA_ATTENTION_IMPLS}, got {attention_impl!r} "
+                f"('ring' or 'all_gather' split every sequence over the 'context' mesh axis)."
+            )
         if not (isinstance(init_std, numbers.Real) and not isinstance(init_std, bool) and init_std > 0):
             raise ValueError(f"Llama: init_std must be a positive number, got {init_std!r}.")
         if not isinstance(axis_name, str):
@@ -119,7 +155,16 @@ class Llama(TensorParallelLayer):
         embedding = eqx.filter_eval_shape(eqx.nn.Embedding, config.vocab_size, config.dim, key=embed_key)
         embedding = eqx.tree_at(lambda e: e.weight, embedding, table)
         self.embed_tokens = VocabParallelEmbedding.from_dense(embedding, axis_name=axis_name)
-        blocks = llama_blocks(config, moe, scan_layers, init_std, axis_name, block_keys)
+        blocks = llama_blocks(
+            config,
+            moe,
+            scan_layers,
+            init_std,
+            axis_name,
+            block_keys,
+            sequence_parallel=bool(sequence_parallel),
+            attention_impl=attention_impl,
+        )
         self.layers = StackedLayers(blocks, axis_name=axis_name) if scan_layers else blocks
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.lm_head = (
@@ -131,6 +176,8 @@ class Llama(TensorParallelLayer):
         self.remat = remat
         self.axis_name = axis_name
         self.moe = moe
+        self.sequence_parallel = bool(sequence_parallel)
+        self.attention_impl = attention_impl
 
     @property
     def num_layers(self) -> int:
@@ -177,38 +224,35 @@ class Llama(TensorParallelLayer):
         **Arguments:**
 
         - `tokens`: token ids, `(seq,)` or `(*batch, seq)` (computed as whole arrays, no
-          `vmap`), `seq <= max_seq_len`, the same on every device of the model axis.
+          `vmap`), `seq <= max_seq_len`, the same on every device of the model axis (under
+          context parallelism: this device's `seq / C` tokens of each sequence, in zigzag
+          layout).
         - `key`: ignored (the Llama has no dropout); accepted as every train step passes one.
         - `return_aux`: also return the MoE layers' [`eqxpar.nn.MoEAux`][]s (one per MoE
           layer, in order; an empty tuple without `moe=`).
 
         **Returns:**
 
-        This device's block of the logits, `(*batch, seq, vocab_size / N)`: pass it to
+        This device's block of the logits, `(*batch, seq, vocab_size / N)` (every position
+        of `tokens`, with or without sequence parallelism): pass it to
         [`eqxpar.nn.vocab_parallel_cross_entropy`][], or return it from `shard_map` with the
         model axis on its last dimension to assemble the whole logits.
 
         **Raises:**
 
         - `ValueError` for token ids without a sequence axis, a sequence longer than
-          `max_seq_len`, or a model axis that does not split the model (see above).
+          `max_seq_len`, a model axis that does not split the model (see above), a
+          sequence that the model axis does not split (`sequence_parallel`), or no
+          `"context"` axis bound under context parallelism.
         """
         del key
         with jax.named_scope("Llama"):
             if tokens.ndim < 1:
                 raise ValueError(f"Llama: tokens must be (seq,) or (*batch, seq), got shape {tokens.shape}.")
-            seq = tokens.shape[-1]
-            if seq > self.config.max_seq_len:
-                raise ValueError(
-                    f"Llama: {seq} tokens per sequence exceed max_seq_len={self.config.max_seq_len}. Pass shorter "
-                    f"sequences (a training batch of (batch, seq + 1) ids: seq <= {self.config.max_seq_len}), or "
-                    f"build the config with a larger max_seq_len."
-                )
             self._model_axis_size()  # every split checked (heads, vocabulary, MLP) before any layer runs
             single = tokens.ndim == 1
-            x = self.embed_tokens(tokens[None] if single else tokens)
-            inv_freq = rope_frequencies(self.config.channels, self.config.rope_theta, self.config.scaling)
-            cos, sin = rope_angles(seq, inv_freq, x.dtype)
+            cos, sin = rotary_angles(self, tokens.shape[-1], self.embed_tokens.weight.dtype)
+            x = embed(self, tokens[None] if single else tokens)
             wrap = remat_wrapper(self.remat)
             if isinstance(self.layers, StackedLayers):  # self.scan_layers
                 x, auxes = self.layers(x, wrap=wrap, cos=cos, sin=sin), ()
@@ -216,7 +260,7 @@ class Llama(TensorParallelLayer):
                 apply = _apply_block if wrap is None else wrap(_apply_block)
                 x, auxes = run_blocks(self.layers, x, [(cos, sin)] * len(self.layers), apply, None, None, None)
             with jax.named_scope("head"):
-                logits = self.head()(self.norm(x))
+                logits = head_logits(self, x)
             logits = logits[0] if single else logits
             return (logits, auxes) if return_aux else logits
 
@@ -229,7 +273,10 @@ def _apply_block(block, x, angles, inference, name, rows, length):
 
 
 def llama_loss(
-    model: Llama, tokens: Int[Array, "batch seq_plus_one"], *, key: PRNGKeyArray | None = None
+    model: Llama,
+    tokens: Int[Array, "batch seq_plus_one"] | tuple[Int[Array, "batch seq"], Int[Array, "batch seq"]],
+    *,
+    key: PRNGKeyArray | None = None,
 ) -> Float[Array, ""]:
     """Mean next-token cross-entropy over a batch, inside `shard_map` over the model axis.
 
@@ -238,20 +285,45 @@ def llama_loss(
     Train with `loss_fn = lambda model, batch, key: llama_loss(model, batch, key=key)`. A
     Llama with `moe=` adds its routers' auxiliary losses ([`eqxpar.models.moe_aux_loss`][]).
 
+    Under context parallelism (`attention_impl="ring"` or `"all_gather"`) a device holds a
+    part of every sequence, so the shift by one token is done before the split: pass the
+    pair `(inputs, targets)` = `(tokens[:, :-1][:, order], tokens[:, 1:][:, order])` with
+    `order = eqxpar.nn.zigzag_order(seq, C)`, placed with `P(batch_axis, "context")`.
+    This device's mean over its positions is its share: the step's mean over the batch
+    and context axes is the whole batch's mean.
+
     **Arguments:**
 
     - `model`: a [`eqxpar.models.Llama`][] (each device's blocks).
-    - `tokens`: `(batch, seq + 1)` token ids, the same on every device of the model axis.
+    - `tokens`: `(batch, seq + 1)` token ids, the same on every device of the model axis;
+      or a pair `(inputs, targets)` of `(batch, seq)` ids (needed under context
+      parallelism).
     - `key`: passed to the model (which has no dropout).
 
     **Returns:**
 
-    The mean loss over this device's batch, a float32 scalar, the same on every device of
-    the model axis.
+    The mean loss over this device's batch (and positions), a float32 scalar, the same on
+    every device of the model axis.
+
+    **Raises:**
+
+    - `ValueError` for one array of token ids under context parallelism (it cannot shift
+      a sequence split over devices).
     """
-    logits, auxes = model(tokens[..., :-1], key=key, return_aux=True)
+    if isinstance(tokens, (tuple, list)):
+        inputs, targets = tokens
+    else:
+        if model.attention_impl in CONTEXT_IMPLS:
+            raise ValueError(
+                f"llama_loss: the Llama has attention_impl={model.attention_impl!r} (context parallelism): each "
+                f"device holds a part of every sequence, so next-token targets cannot be made by shifting its "
+                f"tokens. Pass the pair (tokens[:, :-1][:, order], tokens[:, 1:][:, order]) with order = "
+                f"eqxpar.nn.zigzag_order(seq, context_size), placed with P(batch_axis, 'context')."
+            )
+        inputs, targets = tokens[..., :-1], tokens[..., 1:]
+    logits, auxes = model(inputs, key=key, return_aux=True)
     with jax.named_scope("loss"):
-        loss = jnp.mean(vocab_parallel_cross_entropy(logits, tokens[..., 1:], model.axis_name))
+        loss = mean_cross_entropy(model, logits, targets)
         return loss + moe_aux_loss(model, auxes) if auxes else loss
 
 

@@ -3,19 +3,31 @@ grouped-query attention and the SwiGLU MLP split over the model axis, and the bl
 
 from __future__ import annotations
 
-import math
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._shard_map import varying_axes
-from ..nn import ColumnParallelLinear, RowParallelLinear, TensorParallelLayer, fused_attention
+from ..nn import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelLayer,
+    all_gather_attention,
+    fused_attention,
+    ring_attention,
+)
+from ..nn._base import gather_sequence
 from ._llama_config import LlamaConfig, LlamaRopeScaling
+from ._llama_rope import apply_rotary, rope_angles, rope_frequencies
 
 __all__ = ["RMSNorm", "LlamaAttention", "LlamaMLP", "LlamaBlock", "rope_frequencies", "apply_rotary"]
+
+# The Llama's attention choices: whole sequences on each device, or context parallelism
+# (every sequence split over the `context` mesh axis in zigzag layout) by a ring of
+# key/value blocks or one all-gather of them (eqxpar.nn.ring_attention / all_gather_attention).
+LLAMA_ATTENTION_IMPLS = ("dot_product", "ring", "all_gather")
+CONTEXT_IMPLS = ("ring", "all_gather")
 
 
 def normal_linear(cls, in_features: int, out_features: int, std: float, axis_name: str, key: PRNGKeyArray):
@@ -68,68 +80,6 @@ class RMSNorm(eqx.Module):
             return normed * self.weight.astype(x.dtype).reshape((1,) * (x.ndim - 1) + self.weight.shape)
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: LlamaRopeScaling | None = None) -> np.ndarray:
-    """The rotary embedding's `head_dim / 2` angular frequencies `theta**(-2i / head_dim)`,
-    with Llama 3's scaling applied if given (float32, computed as Hugging Face does).
-
-    **Arguments:**
-
-    - `head_dim`: channels per head (even).
-    - `theta`: the base (`rope_theta`).
-    - `scaling`: a [`eqxpar.models.LlamaRopeScaling`][] or `None`.
-
-    **Returns:**
-
-    A NumPy float32 array of shape `(head_dim / 2,)`.
-    """
-    exponents = np.arange(0, head_dim, 2).astype(np.float32) / np.float32(head_dim)
-    inv_freq = np.float32(1.0) / np.power(np.float32(theta), exponents)
-    if scaling is None:
-        return inv_freq
-    factor = np.float32(scaling.factor)
-    low, high = np.float32(scaling.low_freq_factor), np.float32(scaling.high_freq_factor)
-    old_context = np.float32(scaling.original_max_position_embeddings)
-    wavelength = np.float32(2 * math.pi) / inv_freq
-    low_freq_wavelength, high_freq_wavelength = old_context / low, old_context / high
-    # Long wavelengths (low frequencies) slowed down by `factor`; short ones kept.
-    scaled = np.where(wavelength > low_freq_wavelength, inv_freq / factor, inv_freq)
-    # In between: interpolated from one to the other by where the wavelength lies.
-    smooth = (old_context / wavelength - low) / (high - low)
-    smoothed = (np.float32(1) - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelength >= high_freq_wavelength) & (wavelength <= low_freq_wavelength)
-    return np.where(medium, smoothed, scaled).astype(np.float32)
-
-
-def rope_angles(seq: int, inv_freq: np.ndarray, dtype) -> tuple[Array, Array]:
-    """The cosines and sines of positions `0 .. seq-1` times every frequency, each
-    frequency's column written twice (`(seq, head_dim)`: Hugging Face's half-rotation
-    layout), computed in float32 and cast to `dtype`."""
-    positions = jnp.arange(seq, dtype=jnp.float32)
-    angles = positions[:, None] * jnp.asarray(inv_freq)[None, :]
-    angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
-
-
-def apply_rotary(x: Float[Array, "*batch seq heads head_dim"], cos: Array, sin: Array) -> Array:
-    """Rotary embeddings in Hugging Face Llama's convention: channel `i` of the first half
-    rotates with channel `i` of the second half (`x * cos + rotate_half(x) * sin`), so
-    Hugging Face's `q_proj`/`k_proj` weights load without permuting their rows.
-
-    **Arguments:**
-
-    - `x`: queries or keys, `(*batch, seq, heads, head_dim)`.
-    - `cos`, `sin`: `(seq, head_dim)`, from the positions (see `rope_angles`).
-
-    **Returns:**
-
-    The rotated `x`, same shape.
-    """
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    shape = (1,) * (x.ndim - 3) + (cos.shape[0], 1, cos.shape[1])
-    return x * cos.reshape(shape) + rotated * sin.reshape(shape)
-
-
 class LlamaAttention(TensorParallelLayer):
     """Causal grouped-query self-attention with rotary embeddings, its heads split over
     the model axis.
@@ -143,6 +93,16 @@ class LlamaAttention(TensorParallelLayer):
     exactly its own key/value heads. So `N` must divide `num_kv_heads` (and `num_heads`).
     One all-reduce forward (in `o_proj`) and one backward (the input's gradient, shared by
     the three projections).
+
+    With `sequence_parallel=True` its input and output are this device's block of the
+    sequence: one all-gather over the model axis on the way in, a reduce-scatter in
+    `o_proj` on the way out (in place of the all-reduces). With `attention_impl="ring"` or
+    `"all_gather"` every sequence is split over `context_axis` in zigzag layout
+    ([`eqxpar.nn.ring_attention`][], [`eqxpar.nn.all_gather_attention`][]): the rotary
+    angles must then be those of the tokens' global positions (the
+    [`eqxpar.models.Llama`][] passes them), and each device's key/value heads are repeated
+    to its query heads before they travel (`num_heads / num_kv_heads` times the bytes of
+    grouped keys and values on the context axis).
     """
 
     q_proj: ColumnParallelLinear
@@ -153,15 +113,43 @@ class LlamaAttention(TensorParallelLayer):
     num_kv_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
     axis_name: str = eqx.field(static=True)
+    rope_theta: float = eqx.field(static=True)
+    rope_scaling: LlamaRopeScaling | None = eqx.field(static=True)
+    sequence_parallel: bool = eqx.field(static=True)
+    attention_impl: str = eqx.field(static=True)
+    context_axis: str = eqx.field(static=True)
 
-    def __init__(self, config: LlamaConfig, *, init_std: float = 0.02, axis_name: str = "model", key: PRNGKeyArray):
+    def __init__(
+        self,
+        config: LlamaConfig,
+        *,
+        init_std: float = 0.02,
+        sequence_parallel: bool = False,
+        attention_impl: str = "dot_product",
+        context_axis: str = "context",
+        axis_name: str = "model",
+        key: PRNGKeyArray,
+    ):
         """**Arguments:**
 
         - `config`: the model's [`eqxpar.models.LlamaConfig`][].
         - `init_std`: the weights' standard deviation (normal, mean 0).
+        - `sequence_parallel`: the input and output are split along the sequence over the
+          model axis (see above).
+        - `attention_impl`: `"dot_product"` (whole sequences), or `"ring"` / `"all_gather"`
+          for context parallelism over `context_axis`.
+        - `context_axis`: the mesh axis the sequences are split over (context parallelism).
         - `axis_name`: the model axis.
         - `key`: the initialisation key.
+
+        **Raises:**
+
+        - `ValueError` for an unknown `attention_impl`.
         """
+        if attention_impl not in LLAMA_ATTENTION_IMPLS:
+            raise ValueError(
+                f"LlamaAttention: attention_impl must be one of {LLAMA_ATTENTION_IMPLS}, got {attention_impl!r}."
+            )
         q_key, k_key, v_key, o_key = jax.random.split(key, 4)
         dim, heads, kv, channels = config.dim, config.num_heads, config.kv_heads, config.channels
         self.q_proj = normal_linear(ColumnParallelLinear, dim, heads * channels, init_std, axis_name, q_key)
@@ -169,7 +157,16 @@ class LlamaAttention(TensorParallelLayer):
         self.v_proj = normal_linear(ColumnParallelLinear, dim, kv * channels, init_std, axis_name, v_key)
         self.o_proj = normal_linear(RowParallelLinear, heads * channels, dim, init_std, axis_name, o_key)
         self.num_heads, self.num_kv_heads, self.head_dim = heads, kv, channels
+        self.rope_theta, self.rope_scaling = config.rope_theta, config.scaling
         self.axis_name = axis_name
+        self.sequence_parallel = bool(sequence_parallel)
+        self.attention_impl = attention_impl
+        self.context_axis = context_axis
+
+    def rotary_angles(self, positions: Array, dtype) -> tuple[Array, Array]:
+        """The rotary `cos`, `sin` (`(seq, head_dim)`) of the tokens at global `positions`
+        (`(seq,)` integers), as `__call__` takes them."""
+        return rope_angles(positions, rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling), dtype)
 
     def check_axis_size(self, size: int, where: str = "") -> None:
         """`ValueError` unless `size` divides both `num_kv_heads` and `num_heads`."""
@@ -192,29 +189,44 @@ class LlamaAttention(TensorParallelLayer):
         **Arguments:**
 
         - `x`: the normalised residual stream, `(*batch, seq, dim)`, the same on every
-          device of the model axis.
-        - `cos`, `sin`: the rotary angles, `(seq, head_dim)`.
+          device of the model axis (with `sequence_parallel`, this device's block of it).
+        - `cos`, `sin`: the rotary angles of the positions attention sees, `(seq, head_dim)`
+          (with `sequence_parallel`: of the whole gathered sequence; under context
+          parallelism: of this device's tokens' global positions).
         - `key`: ignored (no dropout).
 
         **Returns:**
 
-        Shape `(*batch, seq, dim)`, the same on every device.
+        The shape of `x`, the same on every device (with `sequence_parallel`, this
+        device's block of the sequence).
         """
         del key
         with jax.named_scope(type(self).__name__):
             size = self._model_axis_size()
             heads, kv_heads = self.num_heads // size, self.num_kv_heads // size
+            if self.sequence_parallel:  # Megatron SP: gather the sequence once for q, k and v
+                x = gather_sequence(x, self.axis_name, -2)
             lead, seq = x.shape[:-2], x.shape[-2]
             x = _varying(x, self.axis_name)
             q = self.q_proj(x).reshape(*lead, seq, heads, self.head_dim)
             k = self.k_proj(x).reshape(*lead, seq, kv_heads, self.head_dim)
             v = self.v_proj(x).reshape(*lead, seq, kv_heads, self.head_dim)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            # Grouped-query attention: query head h reads key/value head h // (heads /
-            # kv_heads), as Hugging Face's repeat_kv (cuDNN's fused kernel on a GPU).
-            out = fused_attention(q, k, v, causal=True)
-            # Row-parallel output projection: this device's heads' partial products, one psum.
-            return self.o_proj(out.reshape(*lead, seq, heads * self.head_dim))
+            if self.attention_impl in CONTEXT_IMPLS:
+                # Hugging Face's repeat_kv order (query head h reads key/value head h //
+                # group), then attention over the sequence split across the context axis.
+                group = heads // kv_heads
+                k, v = jnp.repeat(k, group, axis=-2), jnp.repeat(v, group, axis=-2)
+                attend = ring_attention if self.attention_impl == "ring" else all_gather_attention
+                out = attend(q, k, v, axis_name=self.context_axis, causal=True, layout="zigzag")
+            else:
+                # Grouped-query attention: query head h reads key/value head h // (heads /
+                # kv_heads), as Hugging Face's repeat_kv (cuDNN's fused kernel on a GPU).
+                out = fused_attention(q, k, v, causal=True)
+            # Row-parallel output projection: this device's heads' partial products, one psum
+            # (a reduce-scatter back to this device's block of the sequence with SP).
+            sequence_dim = -2 if self.sequence_parallel else None
+            return self.o_proj(out.reshape(*lead, seq, heads * self.head_dim), sequence_dim=sequence_dim)
 
 
 class LlamaMLP(TensorParallelLayer):
@@ -223,18 +235,30 @@ class LlamaMLP(TensorParallelLayer):
     [`eqxpar.nn.ColumnParallelLinear`][]s, `down_proj` a
     [`eqxpar.nn.RowParallelLinear`][] (all without bias). One all-reduce forward (in
     `down_proj`) and one backward (the input's gradient, shared by `gate_proj` and
-    `up_proj`)."""
+    `up_proj`); with `sequence_parallel=True` an all-gather of the input (once, for both
+    column layers) and a reduce-scatter in `down_proj` instead."""
 
     gate_proj: ColumnParallelLinear
     up_proj: ColumnParallelLinear
     down_proj: RowParallelLinear
     axis_name: str = eqx.field(static=True)
+    sequence_parallel: bool = eqx.field(static=True)
 
-    def __init__(self, config: LlamaConfig, *, init_std: float = 0.02, axis_name: str = "model", key: PRNGKeyArray):
+    def __init__(
+        self,
+        config: LlamaConfig,
+        *,
+        init_std: float = 0.02,
+        sequence_parallel: bool = False,
+        axis_name: str = "model",
+        key: PRNGKeyArray,
+    ):
         """**Arguments:**
 
         - `config`: the model's [`eqxpar.models.LlamaConfig`][] (`dim`, `hidden_dim`).
         - `init_std`: the weights' standard deviation (normal, mean 0).
+        - `sequence_parallel`: the input and output are this device's block of the
+          sequence (dimension -2) over the model axis.
         - `axis_name`: the model axis.
         - `key`: the initialisation key.
         """
@@ -244,43 +268,72 @@ class LlamaMLP(TensorParallelLayer):
         self.up_proj = normal_linear(ColumnParallelLinear, dim, hidden, init_std, axis_name, up_key)
         self.down_proj = normal_linear(RowParallelLinear, hidden, dim, init_std, axis_name, down_key)
         self.axis_name = axis_name
+        self.sequence_parallel = bool(sequence_parallel)
 
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
         """**Arguments:**
 
-        - `x`: `(*batch, dim)`, the same on every device of the model axis.
+        - `x`: `(*batch, dim)`, the same on every device of the model axis (with
+          `sequence_parallel`, `(*batch, seq / N, dim)`: this device's block).
 
         **Returns:**
 
-        `(*batch, dim)`, the same on every device.
+        The shape of `x`, the same on every device (with `sequence_parallel`, this
+        device's block).
         """
         with jax.named_scope(type(self).__name__):
+            sequence_dim = -2 if self.sequence_parallel else None
+            if sequence_dim is not None:
+                x = gather_sequence(x, self.axis_name, sequence_dim)
             x = _varying(x, self.axis_name)
-            return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+            h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
+            return self.down_proj(h, sequence_dim=sequence_dim)
 
 
 class LlamaBlock(eqx.Module):
     """A pre-norm Llama block: `h = x + self_attn(input_layernorm(x))`, then
-    `h + mlp(post_attention_layernorm(h))` (Hugging Face's `LlamaDecoderLayer` names)."""
+    `h + mlp(post_attention_layernorm(h))` (Hugging Face's `LlamaDecoderLayer` names).
+    With `sequence_parallel=True` the residual stream and both norms work on this
+    device's block of the sequence (Megatron sequence parallelism)."""
 
     input_layernorm: RMSNorm
     self_attn: LlamaAttention
     post_attention_layernorm: RMSNorm
     mlp: LlamaMLP
 
-    def __init__(self, config: LlamaConfig, *, init_std: float = 0.02, axis_name: str = "model", key: PRNGKeyArray):
+    def __init__(
+        self,
+        config: LlamaConfig,
+        *,
+        init_std: float = 0.02,
+        sequence_parallel: bool = False,
+        attention_impl: str = "dot_product",
+        axis_name: str = "model",
+        key: PRNGKeyArray,
+    ):
         """**Arguments:**
 
         - `config`: the model's [`eqxpar.models.LlamaConfig`][].
         - `init_std`: the linear layers' standard deviation.
+        - `sequence_parallel`, `attention_impl`: as in [`eqxpar.models.LlamaAttention`][]
+          (the MLP takes `sequence_parallel` too).
         - `axis_name`: the model axis.
-        - `key`: the initialisation key.
+        - `key`: the initialisation key (the same weights whatever the other options).
         """
         attention_key, mlp_key = jax.random.split(key)
         self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
-        self.self_attn = LlamaAttention(config, init_std=init_std, axis_name=axis_name, key=attention_key)
+        self.self_attn = LlamaAttention(
+            config,
+            init_std=init_std,
+            sequence_parallel=sequence_parallel,
+            attention_impl=attention_impl,
+            axis_name=axis_name,
+            key=attention_key,
+        )
         self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
-        self.mlp = LlamaMLP(config, init_std=init_std, axis_name=axis_name, key=mlp_key)
+        self.mlp = LlamaMLP(
+            config, init_std=init_std, sequence_parallel=sequence_parallel, axis_name=axis_name, key=mlp_key
+        )
 
     def __call__(
         self,
@@ -296,8 +349,9 @@ class LlamaBlock(eqx.Module):
         **Arguments:**
 
         - `x`: the residual stream, `(*batch, seq, dim)`, the same on every device of the
-          model axis.
-        - `cos`, `sin`: the rotary angles, `(seq, head_dim)`.
+          model axis (with `sequence_parallel`, this device's block of the sequence).
+        - `cos`, `sin`: the rotary angles of the positions attention sees, `(seq,
+          head_dim)` (see [`eqxpar.models.LlamaAttention`][]).
         - `key`: ignored (no dropout).
         - `name`: the `jax.named_scope` (default `"LlamaBlock"`).
 

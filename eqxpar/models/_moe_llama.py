@@ -91,7 +91,15 @@ class LlamaMoEBlock(eqx.Module):
 
 
 def llama_blocks(
-    config: LlamaConfig, moe: Any, scan_layers: bool, init_std: float, axis_name: str, keys: Sequence[PRNGKeyArray]
+    config: LlamaConfig,
+    moe: Any,
+    scan_layers: bool,
+    init_std: float,
+    axis_name: str,
+    keys: Sequence[PRNGKeyArray],
+    *,
+    sequence_parallel: bool = False,
+    attention_impl: str = "dot_product",
 ) -> tuple[LlamaBlock | LlamaMoEBlock, ...]:
     """The Llama's layers: a `LlamaMoEBlock` where `moe` says, a `LlamaBlock` elsewhere;
     a `ValueError` naming the fix for `moe=` options the Llama cannot take."""
@@ -111,9 +119,22 @@ def llama_blocks(
                 "Llama: moe= needs scan_layers=False: MoE layers and plain layers differ, and a scan runs one "
                 "layer shape. Build the Llama with scan_layers=False."
             )
+        if sequence_parallel or attention_impl != "dot_product":
+            raise ValueError(
+                "Llama: moe= routes whole sequences (one routing group each), so it cannot run on a residual "
+                "stream split along the sequence: build the Llama with sequence_parallel=False and "
+                "attention_impl='dot_product', or without moe=."
+            )
     return tuple(
         LlamaMoEBlock(config, moe, init_std=init_std, axis_name=axis_name, key=k)
         if moe is not None and moe.is_moe_block(i)
-        else LlamaBlock(config, init_std=init_std, axis_name=axis_name, key=k)
+        else LlamaBlock(
+            config,
+            init_std=init_std,
+            sequence_parallel=sequence_parallel,
+            attention_impl=attention_impl,
+            axis_name=axis_name,
+            key=k,
+        )
         for i, k in enumerate(keys)
     )
