@@ -50,6 +50,10 @@ def test_plans_the_small_gpt_on_8_devices():
         "model=8 ",
         "context=8 ",
         "data=2,fsdp=2,model=2 ",
+        "stage=2,data=4 ",
+        "stage=2,model=4 ",
+        " gpipe M=",
+        " 1f1b M=",
         " sp",
         " ring",
         " all_gather",
@@ -79,13 +83,23 @@ def _divides(p, batch, seq, config):
     assert (-(-VOCAB // PAD) * PAD) % lay.model == 0
     if lay.sequence_parallel:
         assert lay.model > 1 and (seq // lay.context) % lay.model == 0
+    if lay.stage > 1:  # a pipeline: pipeline_step's rules, and what the planner prices
+        assert batch % (lay.data * lay.fsdp * lay.microbatches) == 0 and lay.microbatches >= 2
+        assert config.layers % (lay.stage * lay.virtual_stages) == 0
+        assert lay.schedule in ("gpipe", "1f1b", "circular") and lay.remat in ("none", "block")
+        assert lay.context == lay.fsdp == 1 and not lay.sequence_parallel
+        assert lay.virtual_stages == 1 or (lay.schedule == "circular" and lay.microbatches % lay.stage == 0)
+        assert lay.schedule != "1f1b" or lay.remat == "block"
+    else:
+        assert (lay.schedule, lay.microbatches, lay.virtual_stages) == ("", 1, 1)
 
 
 @example(heads=8, layers=2, batch=8, seq=16, devices=8, memory=1e9)
 @example(heads=6, layers=1, batch=6, seq=12, devices=4, memory=4e5)
+@example(heads=4, layers=4, batch=16, seq=8, devices=8, memory=4e5)  # every schedule, circular r=2
 @given(
     heads=st.sampled_from([2, 4, 6, 8]),
-    layers=st.integers(1, 3),
+    layers=st.integers(1, 4),
     batch=st.integers(1, 24),
     seq=st.sampled_from([4, 8, 12, 16]),
     devices=st.sampled_from([1, 2, 4, 8, 16]),
@@ -102,7 +116,7 @@ def test_no_plan_breaks_a_divisibility_rule_or_the_memory_limit(heads, layers, b
     for p in plans:
         _divides(p, batch, seq, config)
         assert p.memory.peak <= memory
-        assert p.layout.data * p.layout.fsdp * p.layout.context * p.layout.model == devices
+        assert p.layout.stage * p.layout.data * p.layout.fsdp * p.layout.context * p.layout.model == devices
 
 
 @given(
@@ -189,7 +203,7 @@ def test_bad_input_is_a_value_error_naming_the_fix():
     with pytest.raises(ValueError, match="optimizer must be"):
         small_plans(optimizer="lion")
     with pytest.raises(ValueError, match="axes must be a non-empty subset"):
-        small_plans(axes=("stage",))
+        small_plans(axes=("expert",))
     with pytest.raises(ValueError, match="remats must be"):
         small_plans(remats=("offload",))
     with pytest.raises(ValueError, match="no peak FLOP/s for float16"):
@@ -208,7 +222,7 @@ def test_plans_big_configs_from_shapes_alone():
         assert len(plans) == 3
         for p in plans:
             assert p.memory.peak <= 80e9
-            assert p.layout.data * p.layout.fsdp * p.layout.context * p.layout.model == devices
+            assert p.layout.devices == devices
     # An 8B-sized shape (Llama 3 8B's width and depth) plans too.
     big = GPTConfig(context=4096, dim=4096, heads=32, layers=32)
     plans = plan(big, batch=256, seq=4096, cluster=cluster("h100", hosts=8), top=2)

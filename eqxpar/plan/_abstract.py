@@ -24,8 +24,9 @@ from ..models import GPT, GPTConfig
 from ..nn import StackedLayers
 
 # The mesh axes a plan may use, outermost first (the innermost, `model`, varies fastest
-# over device ids, so it stays inside a host longest).
-AXES = ("data", "fsdp", "context", "model")
+# over device ids, so it stays inside a host longest; `stage`, outermost, crosses hosts
+# first: only stage outputs and their gradients cross it).
+AXES = ("stage", "data", "fsdp", "context", "model")
 """The mesh axes a plan uses, in mesh order (outermost first)."""
 
 

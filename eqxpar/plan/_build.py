@@ -1,5 +1,6 @@
 """What a plan builds: its mesh, GPT, train step and placed batch, with eqxpar's own
-builders (`eqxpar.make_mesh`, `eqxpar.train.hybrid_step` / `fsdp_step`)."""
+builders (`eqxpar.make_mesh`, `eqxpar.train.hybrid_step` / `fsdp_step` /
+`pipeline_step`)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from jax.sharding import PartitionSpec
 
 from .._mesh import make_mesh
 from .._sharding import shard
-from ..models import GPT, next_token_loss
+from ..models import GPT, gpt_stages, next_token_loss
 from ..nn import vocab_parallel_cross_entropy, zigzag_order
-from ..train import Precision, TrainStep, fsdp_step, hybrid_step
+from ..train import Precision, TrainStep, fsdp_step, hybrid_step, pipeline_step
 from ._candidates import Layout
 
 BATCH_AXES = ("data", "fsdp")
@@ -37,7 +38,7 @@ def build_model(plan: Any, key: Any) -> GPT:
         pad_vocab_to_multiple_of=plan.pad_vocab_to_multiple_of,
         attention_impl=layout.attention,
         scan_layers=True,
-        remat=layout.remat,
+        remat=layout.remat if layout.stage == 1 else "none",  # a pipeline's remat is its own
         sequence_parallel=layout.sequence_parallel,
         key=key,
     )
@@ -63,6 +64,19 @@ def build_step(plan: Any, optimizer: optax.GradientTransformation, mesh: Any, *,
     loss = split_loss if context_axis else whole_loss
     if precision is None and plan.dtype != jnp.float32:
         precision = Precision(compute_dtype=plan.dtype)
+    if layout.stage > 1:
+        return pipeline_step(
+            gpt_stages(),
+            optimizer,
+            mesh,
+            batch_axis=BATCH_AXES,
+            stage_axis="stage",
+            schedule=layout.schedule,
+            microbatches=layout.microbatches,
+            virtual_stages=layout.virtual_stages,
+            precision=precision,
+            remat=layout.remat == "block" and layout.schedule != "1f1b",
+        )
     if layout.fsdp > 1:
         return fsdp_step(loss, optimizer, mesh, batch_axis=BATCH_AXES, context_axis=context_axis, precision=precision)
     return hybrid_step(loss, optimizer, mesh, batch_axis=BATCH_AXES, context_axis=context_axis, precision=precision)

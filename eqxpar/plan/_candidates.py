@@ -1,19 +1,26 @@
 """The layouts a plan chooses from: every factorisation of the devices into
-`data x fsdp x context x model`, times remat, sequence parallelism and the context-parallel
-attention, and the divisibility rules that rule some out."""
+`stage x data x fsdp x context x model`, times remat, sequence parallelism, the
+context-parallel attention and (with `stage > 1`) the pipeline's schedule, micro-batches
+and virtual stages, and the divisibility rules that rule some out."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator
 
 from ..models import GPT, gpt_activation_theory, gpt_tensor_parallel_theory
 from ..nn import zigzag_order
+from ..train import make_schedule
 from ._abstract import AXES, abstract_mesh
 
 REMATS = ("none", "save_matmuls", "block")
 """The GPT remat policies a plan chooses from (`"offload"` is not modelled)."""
 CONTEXT_ATTENTION = ("ring", "all_gather")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "circular")
+"""The pipeline schedules a plan chooses from (see [`eqxpar.train.make_schedule`][])."""
+VIRTUAL_STAGES = (2, 4)
+"""The virtual stages (layer chunks per device) a circular plan chooses from."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +29,14 @@ class Layout:
     parameters and optimizer state too, `context` splits every sequence, `model` splits
     the layers), the GPT's `remat` policy, Megatron `sequence_parallel` over the model axis,
     and `attention` (`"dot_product"` without a context axis; `"ring"` or `"all_gather"`
-    with one)."""
+    with one).
+
+    With `stage > 1` the layout is a pipeline ([`eqxpar.train.pipeline_step`][] with
+    [`eqxpar.models.gpt_stages`][]): the blocks split over `stage`, `schedule` one of
+    `"gpipe"`, `"1f1b"`, `"circular"`, `microbatches` per batch shard, `virtual_stages`
+    layer chunks per device (circular). `remat` is then the pipeline's: `"none"` keeps
+    every tick's activations, `"block"` keeps only each tick's input and recomputes the
+    stage (GPipe's `remat=True`; 1F1B always does)."""
 
     data: int
     fsdp: int
@@ -31,6 +45,10 @@ class Layout:
     remat: str
     sequence_parallel: bool
     attention: str
+    stage: int = 1
+    schedule: str = ""
+    microbatches: int = 1
+    virtual_stages: int = 1
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -46,10 +64,21 @@ class Layout:
         used = [f"{a}={n}" for a, n in self.sizes.items() if n > 1]
         return ",".join(used) or "one device"
 
+    @property
+    def devices(self) -> int:
+        return math.prod(self.sizes.values())
+
+    def pipeline_text(self) -> str:
+        """`" 1f1b M=8"`, `" circular r=2 M=8"` (empty without a stage axis)."""
+        if self.stage == 1:
+            return ""
+        r = f" r={self.virtual_stages}" if self.schedule == "circular" else ""
+        return f" {self.schedule}{r} M={self.microbatches}"
+
     def __str__(self) -> str:
         sp = " sp" if self.sequence_parallel else ""
         attention = f" {self.attention}" if self.context > 1 else ""
-        return f"{self.mesh_text()} remat={self.remat}{sp}{attention}"
+        return f"{self.mesh_text()} remat={self.remat}{sp}{attention}{self.pipeline_text()}"
 
 
 def factorisations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
@@ -65,15 +94,48 @@ def factorisations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
 
 def layouts(devices: int, axes: tuple[str, ...] = AXES) -> Iterator[Layout]:
     """Every layout of `devices` devices over `axes` (the others of size 1), before any
-    divisibility rule."""
-    for data, fsdp, context, model in factorisations(devices, 4):
-        sizes = {"data": data, "fsdp": fsdp, "context": context, "model": model}
+    divisibility rule. A pipeline (`stage > 1`) comes once per remat, with no schedule
+    yet ([`pipeline_variants`][] adds them): with `data` and `model` around it only, as
+    the planner prices it (no `context`, no sequence parallelism: `pipeline_step` runs
+    whole sequences; no `fsdp`: FSDP inside the stages is not priced yet), and remat
+    `none` or `block` (the pipeline's own)."""
+    for stage, data, fsdp, context, model in factorisations(devices, 5):
+        sizes = {"stage": stage, "data": data, "fsdp": fsdp, "context": context, "model": model}
         if any(n > 1 and a not in axes for a, n in sizes.items()):
+            continue
+        if stage > 1:
+            if context == 1 and fsdp == 1:
+                for remat in PIPELINE_REMATS:
+                    yield Layout(data, fsdp, context, model, remat, False, "dot_product", stage=stage)
             continue
         for remat in REMATS:
             for sp in (False, True) if model > 1 else (False,):
                 for attention in CONTEXT_ATTENTION if context > 1 else ("dot_product",):
                     yield Layout(data, fsdp, context, model, remat, sp, attention)
+
+
+PIPELINE_REMATS = ("none", "block")
+"""The remat choices of a pipeline: keep every tick's activations, or only its input."""
+
+
+def pipeline_variants(layout: Layout, batch: int, layers: int) -> Iterator[Layout]:
+    """A pipeline layout (no schedule yet) with every schedule, micro-batch count and
+    virtual-stage count the planner considers: micro-batches `M` from `P, 2P, 4P` and the
+    batch shard's rows (one row each) where they divide the rows, at least 2; `gpipe` with
+    either remat, `1f1b` with `block` (it always recomputes the stage), `circular` with
+    `r` of [`VIRTUAL_STAGES`][] that divide the stage's layers and `M` a multiple of `P`.
+    Divisibility by layers is left to [`rule_out`][] (the step's own checks)."""
+    P = layout.stage
+    rows = batch // layout.batch_shards if batch % layout.batch_shards == 0 else 0
+    counts = sorted({m for m in (P, 2 * P, 4 * P, rows) if m >= 2 and rows and rows % m == 0})
+    for m in counts:
+        for schedule in PIPELINE_SCHEDULES:
+            if schedule == "1f1b" and layout.remat != "block":
+                continue
+            for r in VIRTUAL_STAGES if schedule == "circular" else (1,):
+                if schedule == "circular" and (m % P or layers % (P * r)):
+                    continue
+                yield dataclasses.replace(layout, schedule=schedule, microbatches=m, virtual_stages=r)
 
 
 _CHECKED: dict[tuple[int, int], str] = {}  # (id of an abstract GPT, model size): "" or why not; GPTs are cached
@@ -94,6 +156,10 @@ def rule_out(layout: Layout, gpt: GPT, batch: int, seq: int) -> str | None:
     (the sequence in `2 x context` equal chunks).
     """
     mesh = abstract_mesh(layout.sizes)
+    if layout.stage > 1:
+        why = _pipeline_rule(layout, gpt, batch)
+        if why:
+            return why
     split = _CHECKED.get((id(gpt), layout.model))
     if split is None:
         try:
@@ -112,4 +178,22 @@ def rule_out(layout: Layout, gpt: GPT, batch: int, seq: int) -> str | None:
             zigzag_order(seq, layout.context)
     except ValueError as error:
         return str(error)
+    return None
+
+
+def _pipeline_rule(layout: Layout, gpt: GPT, batch: int) -> str | None:
+    """What `pipeline_step` refuses: a schedule [`eqxpar.train.make_schedule`][] refuses
+    (circular micro-batches not a multiple of the stages), layers that do not split into
+    `stage x virtual_stages`, a batch that does not split into batch shards x micro-batches."""
+    try:
+        make_schedule(layout.schedule or "gpipe", layout.stage, layout.microbatches, layout.virtual_stages)
+    except ValueError as error:
+        return str(error)
+    chunks = layout.stage * layout.virtual_stages
+    if gpt.num_layers % chunks:
+        return (
+            f"{gpt.num_layers} layers do not split into {layout.stage} stages x {layout.virtual_stages} virtual stages"
+        )
+    if batch % (layout.batch_shards * layout.microbatches):
+        return f"batch {batch} does not split into {layout.batch_shards} shards x {layout.microbatches} micro-batches"
     return None

@@ -13,10 +13,10 @@ import optax
 
 from ..inspect import CommTheory
 from ..models import GPT, GPTConfig
-from . import _cluster
+from . import _cluster, _pipeline
 from ._abstract import AXES, abstract_gpt, abstract_mesh
 from ._build import build_batch, build_mesh, build_model, build_step
-from ._candidates import REMATS, Layout, clear_checks, layouts, rule_out
+from ._candidates import REMATS, Layout, clear_checks, layouts, pipeline_variants, rule_out
 from ._cluster import Cluster
 from ._predict import Memory, StepTime, clear_caches, comm_theory, flops_per_device, layout_specs, memory, step_time
 
@@ -235,14 +235,16 @@ def plan(
         )
     opt = _optimizer(optimizer)
     clear_caches()  # caches keyed by object ids live for one call
+    _pipeline.clear_caches()
     clear_checks()
     plans = []
-    for layout in layouts(cluster.devices, tuple(axes)):
-        if layout.remat not in remats or (layout.model > 1 and layout.sequence_parallel not in sequence_parallel):
+    for base in layouts(cluster.devices, tuple(axes)):
+        if base.remat not in remats or (base.model > 1 and base.sequence_parallel not in sequence_parallel):
             continue
-        priced = price(layout, config, batch, seq, cluster, opt, dtype, vocab_size, pad_vocab_to_multiple_of)
-        if priced is not None:
-            plans.append(priced)
+        for layout in pipeline_variants(base, batch, config.layers) if base.stage > 1 else (base,):
+            priced = price(layout, config, batch, seq, cluster, opt, dtype, vocab_size, pad_vocab_to_multiple_of)
+            if priced is not None:
+                plans.append(priced)
     if not plans:
         raise ValueError(_no_layout(config, batch, seq, cluster, vocab_size, pad_vocab_to_multiple_of, tuple(axes)))
     fitting = [p for p in plans if p.fits]
@@ -285,7 +287,7 @@ def price(
     gpt = abstract_gpt(
         config,
         vocab_size,
-        remat=layout.remat,
+        remat=layout.remat if layout.stage == 1 else "none",  # a pipeline's remat is its own
         sequence_parallel=layout.sequence_parallel,
         attention_impl=layout.attention,
         pad_vocab_to_multiple_of=pad,
@@ -293,10 +295,16 @@ def price(
     if rule_out(layout, gpt, batch, seq) is not None:
         return None
     mesh = abstract_mesh(layout.sizes)
-    specs = layout_specs(gpt, mesh, layout)
-    comm = comm_theory(gpt, mesh, layout, specs, batch, seq)
-    mem = memory(gpt, mesh, layout, specs, optimizer, batch, seq, dtype, cluster.fused_attention)
-    flops = flops_per_device(gpt, layout, batch, seq)
+    if layout.stage > 1:
+        specs = _pipeline.pipeline_layout_specs(gpt, layout)
+        comm = _pipeline.pipeline_comm(gpt, layout, specs, batch, seq)
+        mem = _pipeline.pipeline_memory(gpt, mesh, layout, specs, optimizer, batch, seq, dtype)
+        flops = _pipeline.pipeline_flops(gpt, layout, batch, seq)
+    else:
+        specs = layout_specs(gpt, mesh, layout)
+        comm = comm_theory(gpt, mesh, layout, specs, batch, seq)
+        mem = memory(gpt, mesh, layout, specs, optimizer, batch, seq, dtype, cluster.fused_attention)
+        flops = flops_per_device(gpt, layout, batch, seq)
     time, _ = step_time(_in_dtype(comm, gpt.position_embedding.weight.dtype, dtype), flops, layout, cluster, dtype)
     return Plan(
         layout=layout,
@@ -317,16 +325,20 @@ def price(
 
 
 def _in_dtype(comm: CommTheory, param_dtype: Any, dtype: Any) -> CommTheory:
-    """The activation collectives (over `model` and `context`) carried in the compute dtype:
-    the theory counts the parameters' dtype; gradients and parameters keep it."""
+    """The activation collectives (over `model` and `context`, and a pipeline's stage
+    outputs: collective-permutes over `stage`) carried in the compute dtype: the theory
+    counts the parameters' dtype; gradients and parameters keep it."""
     ratio = np.dtype(dtype).itemsize / np.dtype(param_dtype).itemsize
     if ratio == 1:
         return comm
-    terms = tuple(
-        dataclasses.replace(t, bytes=int(t.bytes * ratio)) if set(t.axes) & {"model", "context"} else t
-        for t in comm.terms
-    )
+    terms = tuple(dataclasses.replace(t, bytes=int(t.bytes * ratio)) if _is_activation(t) else t for t in comm.terms)
     return CommTheory(terms)
+
+
+def _is_activation(t: Any) -> bool:
+    if set(t.axes) & {"model", "context"}:
+        return True
+    return t.kind == "collective-permute" and t.axes == ("stage",) and not t.what.startswith("circular")
 
 
 def _reason(p: Plan, index: int, ranked: list[Plan], cluster: Cluster) -> str:
@@ -346,6 +358,8 @@ def _reason(p: Plan, index: int, ranked: list[Plan], cluster: Cluster) -> str:
         f"({seconds / scale:.1f} {duration})"
     )
     lead = "compute-bound" if share >= 0.5 else "communication-bound"
+    if t.bubble:
+        biggest += f"; bubble {t.bubble / (t.compute + t.bubble):.0%}"
     if index and ranked[0].fits:
         slower = t.expected / ranked[0].time.expected - 1
         lead = f"ties the best, {lead}" if slower < 0.005 else f"{slower:+.0%} vs best, {lead}"

@@ -75,7 +75,7 @@ def _specs(gpt: GPT, fsdp: int, model: int, mesh: Mesh) -> Any:
     return _SPECS[key][1]
 
 
-def _attention(gpt: GPT) -> Any:
+def attention_of(gpt: GPT) -> Any:
     """The attention of the (stacked) GPT's blocks."""
     blocks = gpt.blocks
     return blocks.layers.attention if isinstance(blocks, StackedLayers) else blocks[0].attention
@@ -115,14 +115,14 @@ def comm_theory(gpt: GPT, mesh: Mesh, layout: Layout, specs: Any, batch: int, se
                 terms.append(t)
         scattered = sum(t.bytes for t in fsdp.terms if t.kind == "reduce-scatter")
         if others and scattered:
-            blocks = _block_bytes(gpt, specs, sizes, split_only=True)
+            blocks = block_bytes(gpt, specs, sizes, split_only=True)
             terms.append(TheoryTerm("all-reduce", others, blocks, "gradient blocks summed over the other batch axes"))
         theory = CommTheory(tuple(terms))
     theory += gpt_tensor_parallel_theory(
         gpt, mesh, batch, seq, batch_axis=BATCH_AXES, context_axis=context_axis, remat=remat
     )
     if context_axis:
-        block = _attention(gpt)
+        block = attention_of(gpt)
         theory += context_parallel_theory(
             mesh,
             batch=batch,
@@ -140,7 +140,7 @@ def comm_theory(gpt: GPT, mesh: Mesh, layout: Layout, specs: Any, batch: int, se
     return theory
 
 
-def _block_bytes(
+def block_bytes(
     tree: Any,
     specs: Any,
     sizes: dict[str, int],
@@ -218,9 +218,9 @@ def memory(
 ) -> Memory:
     """Bytes per device of the layout's step (see [`eqxpar.plan.Memory`][])."""
     sizes = layout.sizes
-    params = _block_bytes(gpt, specs, sizes)
-    opt_shapes, opt_specs = _optimizer_layout(gpt, optimizer, layout.fsdp, layout.model, specs)
-    opt = _block_bytes(opt_shapes, opt_specs, sizes, floating_only=False)
+    params = block_bytes(gpt, specs, sizes)
+    opt_shapes, opt_specs = optimizer_layout(gpt, optimizer, specs)
+    opt = block_bytes(opt_shapes, opt_specs, sizes, floating_only=False)
     context_axis = "context" if layout.context > 1 else None
     activations = gpt_activation_theory(
         gpt, mesh, batch, seq, batch_axis=BATCH_AXES, context_axis=context_axis, dtype=dtype
@@ -229,7 +229,7 @@ def memory(
     if fused_attention and layout.remat == "none" and layout.attention == "dot_product":
         # A fused kernel (cuDNN's flash attention) keeps its float32 log-sum-exp per query,
         # not the probabilities the theory counts for XLA's attention.
-        block = _attention(gpt)
+        block = attention_of(gpt)
         tokens = batch // layout.batch_shards * seq
         probabilities = sum(t.nbytes for t in activations.terms if t.what == "attention probabilities")
         per_block += tokens * (block.num_heads // layout.model) * 4 - probabilities
@@ -280,17 +280,17 @@ def _gathered_block_weights(gpt: GPT, specs: Any, sizes: dict[str, int]) -> int:
 _OPTIMIZER: dict[tuple, Any] = {}
 
 
-def _optimizer_layout(gpt: GPT, optimizer: Any, fsdp: int, model: int, specs: Any) -> tuple[Any, Any]:
+def optimizer_layout(gpt: GPT, optimizer: Any, specs: Any) -> tuple[Any, Any]:
     """The optimizer state's shapes (once per GPT and optimizer) and specs
-    (`eqxpar.train.optimizer_specs`, once per (fsdp, model) sizes too)."""
+    (`eqxpar.train.optimizer_specs`, once per parameter specs too: they are cached)."""
     shapes_key = (id(gpt), id(optimizer))
     if shapes_key not in _OPTIMIZER:
         _OPTIMIZER[shapes_key] = (gpt, optimizer, jax.eval_shape(optimizer.init, _floating(gpt)))
     shapes = _OPTIMIZER[shapes_key][2]
-    key = (id(gpt), id(optimizer), fsdp, model)
+    key = (id(gpt), id(optimizer), id(specs))
     if key not in _OPTIMIZER:
-        _OPTIMIZER[key] = (gpt, optimizer, optimizer_specs(optimizer, shapes, gpt, specs))
-    return shapes, _OPTIMIZER[key][2]
+        _OPTIMIZER[key] = (gpt, optimizer, specs, optimizer_specs(optimizer, shapes, gpt, specs))
+    return shapes, _OPTIMIZER[key][-1]
 
 
 def _floating(gpt: GPT) -> Any:
@@ -323,10 +323,10 @@ def _temporaries(
     param_dtype = gpt.position_embedding.weight.dtype
     total = params  # gradients
     if np.dtype(dtype) != np.dtype(param_dtype):
-        total += _block_bytes(gpt, specs, sizes, dtype=dtype)
+        total += block_bytes(gpt, specs, sizes, dtype=dtype)
     if layout.fsdp > 1:
         # The gathered parameters, and their gradient whole before its reduce-scatter.
-        total += 2 * _block_bytes(gpt, specs, {**sizes, "fsdp": 1}) - params
+        total += 2 * block_bytes(gpt, specs, {**sizes, "fsdp": 1}) - params
     tokens = batch // layout.batch_shards * (seq // layout.context)
     total += tokens * (gpt.padded_vocab_size // layout.model) * 4
     total += WORKING_SET_BLOCKS * activations.per_block
@@ -339,7 +339,7 @@ def flops_per_device(gpt: GPT, layout: Layout, batch: int, seq: int) -> float:
     remat recomputes: the blocks' forward pass for `block`, the attention's forward
     (`4 L T d` per token) for `save_matmuls`."""
     devices = math.prod(layout.sizes.values())
-    train, forward, attention_forward, head_forward = _flops_per_token(gpt, seq)
+    train, forward, attention_forward, head_forward = flops_per_token(gpt, seq)
     recompute = {"none": 0, "save_matmuls": attention_forward, "block": forward - head_forward}[layout.remat]
     return (train + recompute) * batch * seq / devices
 
@@ -347,10 +347,10 @@ def flops_per_device(gpt: GPT, layout: Layout, batch: int, seq: int) -> float:
 _FLOPS: dict[tuple, tuple[int, int, int, int]] = {}
 
 
-def _flops_per_token(gpt: GPT, seq: int) -> tuple[int, int, int, int]:
+def flops_per_token(gpt: GPT, seq: int) -> tuple[int, int, int, int]:
     """(training, forward, attention forward, head forward) FLOPs per token, once per shape
     (the count unstacks the layers, which is slow for a deep stacked GPT)."""
-    block = _attention(gpt)
+    block = attention_of(gpt)
     dim = gpt.position_embedding.weight.shape[-1]
     key = (gpt.padded_vocab_size, gpt.vocab_size, dim, gpt.num_layers, block.num_heads, block.qk_size, seq)
     if key not in _FLOPS:
@@ -376,11 +376,15 @@ class StepTime:
     - `by_link`: communication seconds per link name.
     - `parameter_overlap`: the fraction of `parameter_comm` assumed hidden behind compute
       (the cluster's; 0 by default, see [`eqxpar.plan.Cluster`][]).
+    - `bubble`: a pipeline's idle time, `compute x (P-1)/(r M)`: the schedule's ticks are
+      `r M + P - 1` and each device works in `r M` of them, so the bubble is
+      `(P-1)/(r M + P - 1)` of `compute + bubble` ([`eqxpar.train.bubble_theory`][]). 0
+      without a stage axis.
 
     The bounds: `no_overlap` (everything in sequence) and `overlap` (the largest of compute
-    and each link's traffic, as if everything overlapped perfectly); `expected` (the
-    ranking figure): compute, the activation collectives, and the parameter collectives
-    less the hidden fraction.
+    with the bubble and each link's traffic, as if everything overlapped perfectly);
+    `expected` (the ranking figure): compute, the bubble, the activation collectives, and
+    the parameter collectives less the hidden fraction.
     """
 
     compute: float
@@ -388,19 +392,20 @@ class StepTime:
     parameter_comm: float
     by_link: dict[str, float]
     parameter_overlap: float = 0.0
+    bubble: float = 0.0
 
     @property
     def no_overlap(self) -> float:
-        return self.compute + self.activation_comm + self.parameter_comm
+        return self.compute + self.bubble + self.activation_comm + self.parameter_comm
 
     @property
     def overlap(self) -> float:
-        return max([self.compute, *self.by_link.values()])
+        return max([self.compute + self.bubble, *self.by_link.values()])
 
     @property
     def expected(self) -> float:
         hidden = min(self.parameter_overlap * self.parameter_comm, self.compute)
-        return self.compute + self.activation_comm + self.parameter_comm - hidden
+        return self.compute + self.bubble + self.activation_comm + self.parameter_comm - hidden
 
 
 def is_parameter_collective(kind: str, axes: tuple[str, ...]) -> bool:
@@ -441,4 +446,7 @@ def step_time(
     by_link: dict[str, float] = {}
     for s, _, _, _, name in classes:
         by_link[name] = by_link.get(name, 0.0) + s
-    return StepTime(compute, activation, parameter, by_link, cluster.parameter_overlap), classes
+    bubble = 0.0
+    if layout.stage > 1:
+        bubble = compute * (layout.stage - 1) / (layout.virtual_stages * layout.microbatches)
+    return StepTime(compute, activation, parameter, by_link, cluster.parameter_overlap, bubble), classes

@@ -30,7 +30,7 @@ from ._pipeline import pipeline_specs, pipeline_step
 from ._pipeline_stages import Stages
 from ._placement import optimizer_specs, shard_batch
 from ._precision import Precision
-from ._schedule import SCHEDULES, Schedule, bubble_theory, make_schedule
+from ._schedule import SCHEDULES, Schedule, bubble_theory, make_schedule, stage_boundary_bytes
 from ._step import TrainStep
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "Schedule",
     "make_schedule",
     "bubble_theory",
+    "stage_boundary_bytes",
     "SCHEDULES",
     "pipeline_step",
     "pipeline_specs",

@@ -17,7 +17,7 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["SCHEDULES", "Schedule", "bubble_theory", "make_schedule"]
+__all__ = ["SCHEDULES", "Schedule", "bubble_theory", "make_schedule", "stage_boundary_bytes"]
 
 SCHEDULES = ("gpipe", "circular", "1f1b")
 
@@ -104,6 +104,32 @@ def bubble_theory(schedule: str, stages: int, microbatches: int, virtual_stages:
     """The closed-form bubble: `(P-1)/(r*M+P-1)` (`r = 1` for GPipe and 1F1B)."""
     r = virtual_stages if schedule == "circular" else 1
     return (stages - 1) / (r * microbatches + stages - 1)
+
+
+def stage_boundary_bytes(schedule: Schedule, activation_bytes: int) -> int:
+    """The bytes each device sends over the stage axis in one step of `schedule`: one
+    stage output per forward tick and one activation gradient per backward tick (GPipe and
+    circular: autodiff's transposes of the forward ppermutes; 1F1B: its own), each
+    `activation_bytes`. Every device sends in every tick, idle or not (one SPMD program), so
+    the count is the schedule's ticks, not its micro-batches. Nothing with one stage.
+
+    **Arguments:**
+
+    - `schedule`: the [`eqxpar.train.Schedule`][] the step runs (`step.schedule`).
+    - `activation_bytes`: one micro-batch's stage output on one device (for a GPT:
+      `rows x seq x dim x itemsize`, rows = the batch / batch shards / micro-batches).
+
+    **Returns:**
+
+    Bytes per device per step, by `eqxpar.inspect`'s convention for collective-permutes
+    (the array sent). This is what the program asks for (`CommReport`'s lowered figure);
+    XLA may drop a send whose result is never read (see docs/concepts/planner.md).
+    """
+    if schedule.stages == 1:
+        return 0
+    forward = sum(n for kind, _, n in schedule.phases if kind in ("forward", "both"))
+    backward = sum(n for kind, _, n in schedule.phases if kind in ("backward", "both"))
+    return (forward + backward) * int(activation_bytes)
 
 
 def _circular_forward(P: int, M: int, r: int) -> tuple[np.ndarray, np.ndarray]:

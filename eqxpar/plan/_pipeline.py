@@ -1,0 +1,246 @@
+"""What a pipeline layout costs (`stage > 1`: [`eqxpar.train.pipeline_step`][] with
+[`eqxpar.models.gpt_stages`][]), from the schedule's tables and the GPT's shapes.
+
+Every device runs the same program: at every tick of the schedule each stage runs the
+embedding, its chunk of blocks and the head on one micro-batch (masked where it has no
+work), and sends one stage output (forward) or one activation gradient (backward) to its
+neighbour. So the stage traffic, the tensor-parallel collectives and the saved
+activations count the schedule's ticks, not its micro-batches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, PartitionSpec
+
+from .._specs import spec_axes
+from ..inspect import CommTheory, TheoryTerm
+from ..models import GPT, gpt_activation_theory, gpt_stages
+from ..nn import partition_specs
+from ..train import Schedule, make_schedule, pipeline_specs, stage_boundary_bytes
+from ._abstract import AXES
+from ._candidates import Layout
+from ._predict import WORKING_SET_BLOCKS, Memory, block_bytes, flops_per_token, optimizer_layout
+
+BATCH_AXES = ("data", "fsdp")
+
+_SPECS: dict[int, Any] = {}
+_SPLIT: dict[int, Any] = {}
+
+
+def clear_caches() -> None:
+    """Forget the pipeline specs and leaf splits kept by GPT id (one plan call's worth)."""
+    _SPECS.clear()
+    _SPLIT.clear()
+
+
+def pipeline_layout_specs(gpt: GPT, layout: Layout) -> Any:
+    """The specs `pipeline_step` gives the GPT: [`eqxpar.nn.partition_specs`][] with the
+    stacked blocks' layer axis split over `stage` ([`eqxpar.train.pipeline_specs`][]).
+    Cached per GPT (the stage and model sizes do not change the specs, only their blocks)."""
+    key = id(gpt)
+    if key not in _SPECS:
+        _SPECS[key] = (gpt, pipeline_specs(gpt_stages(), gpt, partition_specs(gpt), "stage"))
+    return _SPECS[key][1]
+
+
+def _split(gpt: GPT, specs: Any) -> tuple[Any, Any, Any, Any]:
+    """The GPT's tree and specs in two: the stacked blocks, and the rest (embeddings,
+    final norm, head: the parts copied on every stage)."""
+    key = id(gpt)
+    if key not in _SPLIT:
+        _SPLIT[key] = (gpt, (gpt.blocks, specs.blocks, _others(gpt), _others(specs)))
+    return _SPLIT[key][1]
+
+
+def _others(tree: Any) -> Any:
+    return eqx.tree_at(lambda m: m.blocks, tree, None)
+
+
+def schedule_of(layout: Layout) -> Schedule:
+    return make_schedule(layout.schedule, layout.stage, layout.microbatches, layout.virtual_stages)
+
+
+def _ticks(table: Schedule) -> tuple[int, int]:
+    """(forward ticks, backward ticks) of the schedule."""
+    forward = sum(n for kind, _, n in table.phases if kind in ("forward", "both"))
+    backward = sum(n for kind, _, n in table.phases if kind in ("backward", "both"))
+    return forward, backward
+
+
+def _key(axes: tuple[str, ...], sizes: dict[str, int]) -> tuple[str, ...]:
+    return tuple(a for a in AXES if a in axes and sizes[a] > 1)
+
+
+def pipeline_comm(gpt: GPT, layout: Layout, specs: Any, batch: int, seq: int) -> CommTheory:
+    """The collectives of a pipeline step, per device per step:
+
+    - `collective-permute` over `stage`: [`eqxpar.train.stage_boundary_bytes`][] of the
+      schedule, one micro-batch's stage output each; less one for 1F1B on 2 stages, whose
+      last backward phase is a single tick: XLA unrolls it and drops its gradient send,
+      which nothing reads.
+    - circular with `r > 1`: the blocks' interleaved layout on the way in and the
+      gradients' on the way out, as XLA reshards them: an `all-to-all` over `stage` of each
+      device's blocks each way, and with `r < P` also a `collective-permute` of them.
+    - gradients, summed once per step after the last micro-batch: the blocks over the batch
+      axes; the embeddings, final norm and head (copied on every stage) over the batch axes
+      and `stage`, with the loss (4 bytes).
+    - the gradient norm: one float32 scalar all-reduce per distinct set of axes the
+      parameters' specs split over.
+    - with `model > 1`, the GPT's Megatron all-reduces (as
+      [`eqxpar.models.gpt_tensor_parallel_theory`][]) for one micro-batch and the stage's
+      `L / (r P)` blocks, once per tick: forward ticks the embedding lookup, two per block
+      and the cross-entropy's three; backward ticks two per block and the head's input
+      gradient; with remat (GPipe, circular) every backward tick recomputes the forward;
+      1F1B's forward ticks skip the cross-entropy (their loss is not read) and its backward
+      ticks recompute the forward inside their `jax.vjp`.
+    """
+    sizes = layout.sizes
+    table = schedule_of(layout)
+    P, r, M = layout.stage, layout.virtual_stages, layout.microbatches
+    itemsize = np.dtype(gpt.position_embedding.weight.dtype).itemsize
+    dim = gpt.position_embedding.weight.shape[-1]
+    rows = batch // (layout.batch_shards * M)
+    tokens = rows * seq
+    stream = tokens * dim * itemsize
+    terms: list[TheoryTerm] = []
+    sent = stage_boundary_bytes(table, stream)
+    if layout.schedule == "1f1b" and P == 2:
+        sent -= stream
+    ticks_f, ticks_b = _ticks(table)
+    terms.append(
+        TheoryTerm(
+            "collective-permute", ("stage",), sent, f"stage outputs and their gradients, {ticks_f}+{ticks_b} ticks"
+        )
+    )
+    blocks, block_specs, others, other_specs = _split(gpt, specs)
+    layer_bytes = block_bytes(blocks, block_specs, sizes)
+    if r > 1:
+        terms.append(TheoryTerm("all-to-all", ("stage",), 2 * layer_bytes, "circular: blocks interleaved, and back"))
+        if r < P:
+            terms.append(
+                TheoryTerm("collective-permute", ("stage",), 2 * layer_bytes, "circular: the interleave's moves")
+            )
+    batch_key = _key(BATCH_AXES, sizes)
+    if batch_key:
+        terms.append(TheoryTerm("all-reduce", batch_key, layer_bytes, "gradients of the stage's blocks"))
+    everywhere = _key(("stage", *BATCH_AXES), sizes)
+    terms.append(
+        TheoryTerm(
+            "all-reduce",
+            everywhere,
+            block_bytes(others, other_specs, sizes) + 4,
+            "gradients of the embeddings, final norm and head (copied on every stage), and the loss",
+        )
+    )
+    for axes in _norm_axes(gpt, specs, sizes):
+        terms.append(TheoryTerm("all-reduce", axes, 4, "gradient norm: a float32 sum of squares"))
+    if layout.model > 1:
+        chunk = gpt.num_layers // (P * r)
+        cross_entropy = 3 * tokens * itemsize
+        forward = stream + 2 * chunk * stream + cross_entropy
+        backward = 2 * chunk * stream + stream
+        if layout.schedule == "1f1b":
+            model_bytes = ticks_f * (forward - cross_entropy) + ticks_b * (forward + backward)
+        else:
+            model_bytes = ticks_f * forward + ticks_b * backward
+            if layout.remat == "block":
+                model_bytes += ticks_b * forward
+        terms.append(TheoryTerm("all-reduce", ("model",), model_bytes, f"tensor parallelism, {chunk} blocks per tick"))
+    return CommTheory(tuple(t for t in terms if t.axes and t.bytes))
+
+
+def _norm_axes(gpt: GPT, specs: Any, sizes: dict[str, int]) -> list[tuple[str, ...]]:
+    """The axes of the gradient norm's all-reduces: one per distinct set of axes a
+    floating-point parameter's spec names (those of size 1 left out: no traffic)."""
+    seen: list[tuple[str, ...]] = []
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    for leaf, spec in zip(jax.tree.leaves(gpt), spec_leaves, strict=True):
+        if not hasattr(leaf, "dtype") or not np.issubdtype(leaf.dtype, np.inexact):
+            continue
+        axes = spec_axes(spec or PartitionSpec())
+        if axes not in seen:
+            seen.append(axes)
+    keys: list[tuple[str, ...]] = []
+    for axes in seen:
+        key = _key(axes, sizes)
+        if key:
+            keys.append(key)
+    return keys
+
+
+def pipeline_memory(
+    gpt: GPT,
+    mesh: Mesh,
+    layout: Layout,
+    specs: Any,
+    optimizer: optax.GradientTransformation,
+    batch: int,
+    seq: int,
+    dtype: Any,
+) -> Memory:
+    """Bytes per device of a pipeline step:
+
+    - parameters and optimizer state (exact): the stage's `L / P` blocks (split over
+      `model` as the GPT's specs say) plus the embeddings, final norm and head, which every
+      stage holds (they run, masked, on every stage).
+    - saved activations: without remat, GPipe and circular keep every tick's residuals
+      (`r M + P - 1` ticks, idle ones too: one scan), each one micro-batch through the
+      embedding, the stage's blocks and the head ([`eqxpar.models.gpt_activation_theory`][]
+      of one micro-batch); with remat only each tick's input (one stage output); 1F1B keeps
+      at most `min(M, 2P - 1)` stage inputs (`Schedule.max_in_flight`).
+    - temporaries (an estimate): the gradients, a compute-dtype copy of the parameters,
+      one micro-batch's float32 logits, the working set of two blocks, with remat or 1F1B
+      the recomputed tick's activations, and for `r > 1` the interleaved copy of the
+      blocks and their gradients.
+    """
+    sizes = layout.sizes
+    table = schedule_of(layout)
+    P, r, M = layout.stage, layout.virtual_stages, layout.microbatches
+    params = block_bytes(gpt, specs, sizes)
+    opt_shapes, opt_specs = optimizer_layout(gpt, optimizer, specs)
+    opt = block_bytes(opt_shapes, opt_specs, sizes, floating_only=False)
+    activations = gpt_activation_theory(gpt, mesh, batch // M, seq, batch_axis=BATCH_AXES, dtype=dtype)
+    chunk = gpt.num_layers // (P * r)
+    outside = activations.total - gpt.num_layers * activations.per_block
+    tick = chunk * activations.per_block + outside
+    rows = batch // (layout.batch_shards * M)
+    dim = gpt.position_embedding.weight.shape[-1]
+    stage_input = rows * seq * dim * np.dtype(dtype).itemsize
+    ticks = table.ticks // 2 if layout.schedule != "1f1b" else 0
+    if layout.schedule == "1f1b":
+        saved, per_block = table.max_in_flight() * stage_input, 0
+    elif layout.remat == "block":
+        saved, per_block = ticks * stage_input, 0
+    else:
+        saved, per_block = ticks * tick, ticks * activations.per_block
+    temporaries = params  # the gradients
+    if np.dtype(dtype) != np.dtype(gpt.position_embedding.weight.dtype):
+        temporaries += block_bytes(gpt, specs, sizes, dtype=dtype)
+    temporaries += rows * seq * (gpt.padded_vocab_size // layout.model) * 4
+    temporaries += WORKING_SET_BLOCKS * activations.per_block
+    if layout.schedule == "1f1b" or layout.remat == "block":
+        temporaries += tick
+    if r > 1:
+        blocks, block_specs, _, _ = _split(gpt, specs)
+        temporaries += 2 * block_bytes(blocks, block_specs, sizes)
+    return Memory(params, opt, int(saved), int(temporaries), int(per_block))
+
+
+def pipeline_flops(gpt: GPT, layout: Layout, batch: int, seq: int) -> float:
+    """FLOPs one device executes in its `r M` working ticks: its `1/P` of the blocks'
+    training FLOPs and the whole head's (every stage runs it), over `model`, for its batch
+    shard; with remat or 1F1B the forward again. (The idle ticks' masked work is the
+    bubble: [`eqxpar.plan.StepTime`][].)"""
+    train, forward, _, head_forward = flops_per_token(gpt, seq)
+    tokens = batch // layout.batch_shards * seq
+    P = layout.stage
+    flops = tokens * ((train - 3 * head_forward) / P + 3 * head_forward)
+    if layout.remat == "block" or layout.schedule == "1f1b":
+        flops += tokens * ((forward - head_forward) / P + head_forward)
+    return flops / layout.model
