@@ -13,6 +13,7 @@ per-device temporary memory and the ppermute bytes of the compiled step.
     python recipes/pipeline_gpt.py --schedule 1f1b --microbatches 16
     python recipes/pipeline_gpt.py --schedule circular --virtual-stages 2
     python recipes/pipeline_gpt.py --mesh stage=1,data=1            # one device: the same losses
+    python recipes/pipeline_gpt.py --layout auto                    # the planner picks mesh, schedule, M, remat
     python recipes/pipeline_gpt.py --checkpoint-dir /tmp/pipe --checkpoint-every 10 --resume
 
 Every mesh and schedule trains the same model on the same batches: the same final loss.
@@ -32,18 +33,21 @@ import eqxpar
 import eqxpar.nn
 import eqxpar.recipe
 from eqxpar.datasets import python_source_text, text_windows
-from eqxpar.inspect import CommReport
+from eqxpar.inspect import CommReport, MemoryReport
 from eqxpar.models import GPT, gpt_stages, next_token_loss
 from eqxpar.train import (
     SCHEDULES,
     bubble_theory,
     pipeline_step,
     shard_batch,
+    stage_boundary_bytes,
 )
 
 
 @dataclasses.dataclass
-class Config(eqxpar.recipe.CheckpointFlags, eqxpar.recipe.LogFlags):  # + checkpoint flags, --log-dir, --log-every
+class Config(
+    eqxpar.recipe.CheckpointFlags, eqxpar.recipe.LogFlags, eqxpar.recipe.LayoutFlags
+):  # + checkpoint flags, --log-dir, --log-every, --layout, --memory-per-device
     devices: int = 8  # simulated CPU devices when there is no accelerator
     mesh: str = "auto"  # stage splits the blocks, data the batch (e.g. stage=4,data=2; model=: TP); auto: fit
     schedule: Literal["gpipe", "circular", "1f1b"] = "gpipe"  # the pipeline schedule (eqxpar.train.SCHEDULES)
@@ -72,6 +76,13 @@ def check_flags(cfg: Config) -> Config:
     if cfg.dim % cfg.heads:
         raise ValueError(f"--dim {cfg.dim} is not divisible by --heads {cfg.heads}.")
     eqxpar.simulate_cpu_devices(cfg.devices)
+    if cfg.layout == "auto":  # the planner chooses mesh, schedule and micro-batches (in main), then check_mesh
+        return cfg
+    return check_mesh(cfg)
+
+
+def check_mesh(cfg: Config) -> Config:
+    """The checks of --mesh against the schedule, layers and batch (after --layout auto too)."""
     divides = {"stage": {"--layers": cfg.layers}}
     if cfg.batch_size % cfg.microbatches == 0:
         divides["data"] = {"--batch-size / --microbatches": cfg.batch_size // cfg.microbatches}
@@ -99,6 +110,16 @@ def check_flags(cfg: Config) -> Config:
 
 def main(argv=None) -> dict:
     cfg = eqxpar.recipe.parse_flags(Config, argv, validate=check_flags)
+    text = python_source_text()
+    # --- Layout (--layout auto): the planner prices every stage x data x model pipeline of
+    # these devices (schedule, micro-batches, virtual stages, remat) from the shapes alone,
+    # prints the fastest that fit --memory-per-device with why, and the first one's mesh,
+    # schedule, --microbatches, --virtual-stages and --remat replace the flags'. ---
+    with eqxpar.recipe.flag_errors():  # nothing fits, or no pipeline divides: one line, exit 2
+        cfg, plan = eqxpar.recipe.auto_layout(
+            cfg, vocab_size=text.vocab_size, axes=("stage", "data", "model"), pipeline=True
+        )
+        cfg = check_mesh(cfg) if plan is not None else cfg
     # Checks --checkpoint-dir now, before anything compiles: checkpoints there need --resume,
     # and --resume needs the saved model's --context, --dim and --layers; else one line, exit 2.
     with eqxpar.recipe.flag_errors():
@@ -106,7 +127,6 @@ def main(argv=None) -> dict:
     sizes = eqxpar.parse_mesh(cfg.mesh)
     mesh = eqxpar.make_mesh(**sizes)
     P, M, r = sizes["stage"], cfg.microbatches, cfg.virtual_stages
-    text = python_source_text()
     split = int(0.9 * len(text.ids))  # the last 10% held out
     train_ids, val_ids = text.ids[:split], text.ids[split:]
     model_key = jax.random.key(cfg.seed)
@@ -137,15 +157,16 @@ def main(argv=None) -> dict:
     compiled = lowered.compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
     comm = CommReport.of(lowered, compiled)
+    memory = MemoryReport.of(compiled, model, opt_state, batch(0))
     table = step.schedule
     bubble = table.bubble_fraction()
     rows = cfg.batch_size // (sizes["data"] * M)
     activation = rows * cfg.context * cfg.dim * 4  # one micro-batch's stage output, float32
     ticks = sum(n for kind, _, n in table.phases if kind in ("forward", "both"))
-    # Forward: one activation per forward tick; backward: one gradient per backward tick
-    # (GPipe: the transposed forward ppermutes). Per device, P > 1.
     b_ticks = sum(n for kind, _, n in table.phases if kind in ("backward", "both"))
-    permute_theory = activation * (ticks + b_ticks) if P > 1 else 0
+    # Forward: one activation per forward tick; backward: one gradient per backward tick
+    # (GPipe: the transposed forward ppermutes). Per device; none with one stage.
+    permute_theory = stage_boundary_bytes(table, activation)
     # The pipeline's own ppermutes over `stage` (lowered: what the code asked for; loops
     # counted once per tick), and what the compiled step moves (circular: + XLA's moves of the
     # interleaved weights and gradients).
@@ -222,6 +243,9 @@ def main(argv=None) -> dict:
         "collective_permute_bytes_compiled": permute_compiled,  # circular: + XLA's weight moves
         "resumed_from_step": first_step,
         "param_digest": eqxpar.recipe.parameter_digest(model),  # of the whole (gathered) weights
+        # The layout run ("stage=4,data=2 remat=none gpipe M=16"), and the plan's predicted
+        # bytes per device (with --layout auto; else null) beside the compiled step's.
+        **eqxpar.recipe.layout_metrics(cfg, plan, comm, memory),
     }
     if eqxpar.recipe.is_main_process():
         print(f"{cfg.mesh} {cfg.schedule}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, held-out {val_loss:.4f}")

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from ..models import GPT, gpt_activation_theory, gpt_tensor_parallel_theory
 from ..nn import zigzag_order
 from ..train import make_schedule
-from ._abstract import AXES, abstract_mesh
+from ._abstract import AXES, abstract_gpt, abstract_mesh
 
 REMATS = ("none", "save_matmuls", "block")
 """The GPT remat policies a plan chooses from (`"offload"` is not modelled)."""
@@ -197,3 +197,37 @@ def _pipeline_rule(layout: Layout, gpt: GPT, batch: int) -> str | None:
     if batch % (layout.batch_shards * layout.microbatches):
         return f"batch {batch} does not split into {layout.batch_shards} shards x {layout.microbatches} micro-batches"
     return None
+
+
+def no_layout_message(config, batch, seq, cluster, vocab_size, pad, axes, pipeline) -> str:
+    """The message for a batch (and sequence) no layout over `axes` divides, naming the
+    smallest batch above `batch` that one would (a pipeline's with 2 micro-batches)."""
+    candidates = []
+    for lay in layouts(cluster.devices, axes):
+        if pipeline is not None and (lay.stage > 1) != pipeline:
+            continue
+        if lay.stage > 1:
+            lay = dataclasses.replace(lay, schedule="gpipe", microbatches=2)
+        if lay.remat == "block" and not lay.sequence_parallel and lay.attention in ("dot_product", "ring"):
+            gpt = abstract_gpt(
+                config,
+                vocab_size,
+                remat="block" if lay.stage == 1 else "none",
+                sequence_parallel=False,
+                attention_impl=lay.attention,
+                pad_vocab_to_multiple_of=pad,
+            )
+            candidates.append((lay, gpt))
+    for larger in range(batch + 1, batch * cluster.devices + cluster.devices + 1):
+        if any(rule_out(lay, gpt, larger, seq) is None for lay, gpt in candidates):
+            return (
+                f"plan: no layout of {cluster.devices} devices over {' x '.join(axes)} divides batch={batch} "
+                f"(seq={seq}) for {config}: the "
+                f"batch must split over data x fsdp (and a pipeline's micro-batches, at least 2), and the other "
+                f"devices over model (heads, MLP width, vocabulary), context (the sequence, in 2 x context chunks) "
+                f"and stage (the layers). The smallest batch above it that a layout divides is {larger}."
+            )
+    return (
+        f"plan: no layout of {cluster.devices} devices fits {config} (heads, MLP width and vocabulary over model, "
+        f"seq={seq} over context, layers over stage): use a device count that divides them."
+    )

@@ -16,7 +16,7 @@ from ..models import GPT, GPTConfig
 from . import _cluster, _pipeline
 from ._abstract import AXES, abstract_gpt, abstract_mesh
 from ._build import build_batch, build_mesh, build_model, build_step
-from ._candidates import REMATS, Layout, clear_checks, layouts, pipeline_variants, rule_out
+from ._candidates import REMATS, Layout, clear_checks, layouts, no_layout_message, pipeline_variants, rule_out
 from ._cluster import Cluster
 from ._predict import Memory, StepTime, clear_caches, comm_theory, flops_per_device, layout_specs, memory, step_time
 
@@ -168,20 +168,25 @@ def plan(
     axes: Sequence[str] = AXES,
     sequence_parallel: Sequence[bool] = (False, True),
     include_infeasible: bool = False,
+    pipeline: bool | None = None,
 ) -> list[Plan]:
     """The fastest layouts of a GPT train step that fit the cluster, best first.
 
-    Enumerates every factorisation of the cluster's devices into `data x fsdp x context x
-    model`, times remat (`none`, `save_matmuls`, `block`), Megatron sequence parallelism
-    (with `model > 1`) and ring or all-gather attention (with `context > 1`); rules out what
-    the library's own checks refuse (heads, MLP width and vocabulary over `model`, the batch
-    over `data x fsdp`, the sequence over `context`, zigzag chunks, sequence parallelism's
-    split); prices each by the exact theories (collective bytes per kind and axes,
-    parameter, optimizer-state and saved-activation bytes) plus an estimate of XLA's
-    temporaries; drops what exceeds `cluster.memory_per_device`; and ranks the rest by a
-    roofline step time (`StepTime.expected`). Pipelines (a `stage` axis) and gradient
-    accumulation are not planned yet. Everything is computed from shapes
-    (`equinox.filter_eval_shape`): nothing is allocated or compiled.
+    Enumerates every factorisation of the cluster's devices into `stage x data x fsdp x
+    context x model`, times remat (`none`, `save_matmuls`, `block`), Megatron sequence
+    parallelism (with `model > 1`) and ring or all-gather attention (with `context > 1`),
+    and for pipelines (`stage > 1`, with `data` and `model` around it) the schedule
+    (`gpipe`, `1f1b`, `circular` with 2 or 4 virtual stages), the micro-batches (`P`, `2P`,
+    `4P` or one row each) and the pipeline's remat (`none`, `block`); rules out what the
+    library's own checks refuse (heads, MLP width and vocabulary over `model`, the batch
+    over `data x fsdp` and the micro-batches, the sequence over `context`, zigzag chunks,
+    sequence parallelism's split, the layers over `stage x virtual stages`, the circular
+    schedule's groups); prices each by the exact theories (collective bytes per kind and
+    axes, parameter, optimizer-state and saved-activation bytes; a pipeline's bubble) plus
+    an estimate of XLA's temporaries; drops what exceeds `cluster.memory_per_device`; and
+    ranks the rest by a roofline step time (`StepTime.expected`). Gradient accumulation
+    outside pipelines and FSDP inside pipeline stages are not planned yet. Everything is
+    computed from shapes (`equinox.filter_eval_shape`): nothing is allocated or compiled.
 
     **Arguments:**
 
@@ -195,11 +200,12 @@ def plan(
     - `top`: how many plans to return (None: all).
     - `vocab_size`, `pad_vocab_to_multiple_of`: the GPT's vocabulary (GPT-2's by default).
     - `remats`: the remat policies to consider.
-    - `axes`: the mesh axes a plan may use (default all four; e.g. `("data", "model")` for
+    - `axes`: the mesh axes a plan may use (default all five; e.g. `("data", "model")` for
       a recipe that builds only those).
     - `sequence_parallel`: the sequence-parallelism choices to consider (`(False,)` for a
       caller whose model must also run whole sequences, e.g. to sample from it).
     - `include_infeasible`: also return the plans that do not fit (after those that do).
+    - `pipeline`: `True` for pipelines only (`stage > 1`), `False` for none, `None` for both.
 
     **Returns:**
 
@@ -229,6 +235,8 @@ def plan(
         raise ValueError(f"plan: remats must be a non-empty subset of {REMATS}, got {tuple(remats)!r}.")
     if not axes or any(a not in AXES for a in axes):
         raise ValueError(f"plan: axes must be a non-empty subset of {AXES}, got {tuple(axes)!r}.")
+    if pipeline not in (None, True, False):
+        raise ValueError(f"plan: pipeline must be True, False or None, got {pipeline!r}.")
     if not sequence_parallel or any(not isinstance(sp, bool) for sp in sequence_parallel):
         raise ValueError(
             f"plan: sequence_parallel must be a non-empty subset of (False, True), got {tuple(sequence_parallel)!r}."
@@ -241,12 +249,16 @@ def plan(
     for base in layouts(cluster.devices, tuple(axes)):
         if base.remat not in remats or (base.model > 1 and base.sequence_parallel not in sequence_parallel):
             continue
+        if pipeline is not None and (base.stage > 1) != pipeline:
+            continue
         for layout in pipeline_variants(base, batch, config.layers) if base.stage > 1 else (base,):
             priced = price(layout, config, batch, seq, cluster, opt, dtype, vocab_size, pad_vocab_to_multiple_of)
             if priced is not None:
                 plans.append(priced)
     if not plans:
-        raise ValueError(_no_layout(config, batch, seq, cluster, vocab_size, pad_vocab_to_multiple_of, tuple(axes)))
+        raise ValueError(
+            no_layout_message(config, batch, seq, cluster, vocab_size, pad_vocab_to_multiple_of, tuple(axes), pipeline)
+        )
     fitting = [p for p in plans if p.fits]
     if not fitting and not include_infeasible:
         least = min(plans, key=lambda p: p.memory.peak)
@@ -372,33 +384,3 @@ def _peak_text(peak: float, memory: float) -> str:
         return f"peak {peak / GB:.1f} of {memory / GB:.0f} GB"
     name, unit = _unit(peak, BYTE_UNITS)
     return f"peak {peak / unit:.1f} {name} of {memory / GB:g} GB"
-
-
-def _no_layout(config, batch, seq, cluster, vocab_size, pad, axes) -> str:
-    """The message for a batch (and sequence) no layout over `axes` divides, naming the
-    smallest batch above `batch` that one would."""
-    candidates = []
-    for lay in layouts(cluster.devices, axes):
-        if lay.remat == "block" and not lay.sequence_parallel and lay.attention in ("dot_product", "ring"):
-            gpt = abstract_gpt(
-                config,
-                vocab_size,
-                remat="block",
-                sequence_parallel=False,
-                attention_impl=lay.attention,
-                pad_vocab_to_multiple_of=pad,
-            )
-            candidates.append((lay, gpt))
-    for larger in range(batch + 1, batch * cluster.devices + cluster.devices + 1):
-        if any(rule_out(lay, gpt, larger, seq) is None for lay, gpt in candidates):
-            return (
-                f"plan: no layout of {cluster.devices} devices over {' x '.join(axes)} divides batch={batch} "
-                f"(seq={seq}) for {config}: the "
-                f"batch must split over data x fsdp, and the other devices over model (heads, MLP width, "
-                f"vocabulary) and context (the sequence, in 2 x context chunks). The smallest batch above it that a "
-                f"layout divides is {larger}."
-            )
-    return (
-        f"plan: no layout of {cluster.devices} devices fits {config} (heads, MLP width and vocabulary over model, "
-        f"seq={seq} over context): use a device count that divides them."
-    )

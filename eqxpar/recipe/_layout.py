@@ -101,29 +101,35 @@ def local_cluster(memory_per_device: float | None = None) -> Cluster:
 
 
 def auto_layout(
-    cfg: C, *, vocab_size: int, axes: Sequence[str] = ("data", "model"), top: int = 5
+    cfg: C, *, vocab_size: int, axes: Sequence[str] = ("data", "model"), top: int = 5, pipeline: bool = False
 ) -> tuple[C, Plan | None]:
     """`--layout auto`: plan the recipe's GPT for the devices present, print the top plans,
-    and return `cfg` with the first one's `--mesh` and `--remat`, and that plan.
+    and return `cfg` with the first one's `--mesh` and `--remat` (and pipeline flags), and
+    that plan.
 
     Plans only what the recipe builds: the mesh `axes`, every remat policy, no sequence
     parallelism (the recipes sample from the trained model, which runs whole sequences),
-    the recipe's compute dtype and AdamW's state. Nothing compiles. With `--layout mesh` it
-    returns `(cfg, None)` and prints nothing.
+    the recipe's compute dtype (float32 for a recipe without `--dtype`) and AdamW's state.
+    Nothing compiles. With `--layout mesh` it returns `(cfg, None)` and prints nothing.
 
     **Arguments:**
 
-    - `cfg`: a recipe config with the fields of [`eqxpar.recipe.LayoutFlags`][] and
-      [`eqxpar.recipe.GPTFlags`][], and `mesh`, `batch_size`, `context`, `dim`, `heads`,
-      `layers`.
+    - `cfg`: a recipe config with the fields of [`eqxpar.recipe.LayoutFlags`][], and
+      `mesh`, `remat`, `batch_size`, `context`, `dim`, `heads`, `layers` (and those of
+      [`eqxpar.recipe.GPTFlags`][] where it has them: `dtype`).
     - `vocab_size`: the model's vocabulary (padded to a multiple of 128, as the GPT pads it).
     - `axes`: the mesh axes the recipe builds, in its mesh order.
     - `top`: how many plans to print.
+    - `pipeline`: only pipelines (`stage > 1`: a recipe that always runs
+      `eqxpar.train.pipeline_step`); `cfg` then has `schedule`, `microbatches` and
+      `virtual_stages`, set from the plan, and a boolean `remat` (the pipeline's:
+      recompute each tick).
 
     **Returns:**
 
     `(cfg, plan)`: `cfg` with `mesh` the plan's sizes of `axes` (`"data=8,model=1"`) and
-    `remat` its remat policy; the [`eqxpar.plan.Plan`][] (or `None` without `--layout auto`).
+    `remat` its remat policy (and with `pipeline`, its schedule, micro-batches and virtual
+    stages); the [`eqxpar.plan.Plan`][] (or `None` without `--layout auto`).
 
     **Raises:**
 
@@ -144,7 +150,7 @@ def auto_layout(
     memory = None if flags.memory_per_device is None else flags.memory_per_device * GB
     machine = local_cluster(memory)
     config = GPTConfig(context=flags.context, dim=flags.dim, heads=flags.heads, layers=flags.layers)
-    dtype = jnp.bfloat16 if flags.dtype == "bfloat16" else jnp.float32
+    dtype = jnp.bfloat16 if getattr(flags, "dtype", "float32") == "bfloat16" else jnp.float32
     try:  # every layout, those that do not fit too: a message in the flag's units if none fits
         plans = plan(
             config,
@@ -157,6 +163,7 @@ def auto_layout(
             sequence_parallel=(False,),
             top=None,
             include_infeasible=True,
+            pipeline=True if pipeline else None,
         )
     except ValueError as error:  # no layout divides the batch (or a bad shape)
         raise ValueError(f"--layout auto with --batch-size {flags.batch_size}: {error}") from None
@@ -177,7 +184,13 @@ def auto_layout(
             flush=True,
         )
     sizes = {axis: best.layout.sizes[axis] for axis in axes}
-    return dataclasses.replace(flags, mesh=mesh_text(sizes), remat=best.layout.remat), best
+    lay = best.layout
+    if pipeline:
+        flags = dataclasses.replace(
+            flags, schedule=lay.schedule, microbatches=lay.microbatches, virtual_stages=lay.virtual_stages
+        )
+    remat = lay.remat == "block" if isinstance(flags.remat, bool) else lay.remat
+    return dataclasses.replace(flags, mesh=mesh_text(sizes), remat=remat), best
 
 
 def _round_up(x: float) -> float:
@@ -191,7 +204,8 @@ def layout_metrics(cfg: Any, plan: Plan | None, comm: CommReport, memory: Memory
 
     **Arguments:**
 
-    - `cfg`: the recipe's config (its `mesh` and `remat`).
+    - `cfg`: the recipe's config (its `mesh` and `remat`; a pipeline recipe's `schedule`,
+      `microbatches`, `virtual_stages`).
     - `plan`: the plan [`eqxpar.recipe.auto_layout`][] chose, or `None` (`--layout mesh`).
     - `comm`, `memory`: the compiled step's [`eqxpar.inspect.CommReport`][] and
       [`eqxpar.inspect.MemoryReport`][].
@@ -209,7 +223,11 @@ def layout_metrics(cfg: Any, plan: Plan | None, comm: CommReport, memory: Memory
     else:
         sizes = {axis: int(size) for axis, size in (comm.mesh.shape.items() if comm.mesh is not None else ())}
         used = ",".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "one device"
-        name = f"{used} remat={cfg.remat}"
+        remat = ("block" if cfg.remat else "none") if isinstance(cfg.remat, bool) else cfg.remat
+        name = f"{used} remat={remat}"
+        if sizes.get("stage", 1) > 1 and hasattr(cfg, "schedule"):  # a pipeline recipe's flags
+            r = f" r={cfg.virtual_stages}" if cfg.schedule == "circular" else ""
+            name += f" {cfg.schedule}{r} M={cfg.microbatches}"
     return {
         "layout": name,
         "predicted_comm_bytes": plan.comm_in_dtype().bytes() if plan is not None else None,

@@ -1,0 +1,98 @@
+"""`recipes/pipeline_gpt.py --layout auto`: the planner chooses the pipeline (mesh,
+schedule, micro-batches, virtual stages, remat) for the 8 simulated devices, prints its
+table, and the run trains to the losses of a plain one-device Equinox + optax loop (no
+pipeline, no planner); its predicted collective bytes equal the compiled step's exactly.
+With the memory per device it is given here only the recomputing plans fit, and 1F1B is
+the fastest of them: its compiled program (which drops one gradient send on 2 stages) is
+checked here."""
+
+import equinox as eqx
+import jax
+import numpy as np
+import optax
+import pytest
+from _recipes import load_recipe, run_recipe
+from jax.sharding import PartitionSpec as P
+
+import eqxpar
+import eqxpar.nn
+from eqxpar.datasets import python_source_text, text_windows
+from eqxpar.models import GPT, next_token_loss
+
+STEPS, BATCH, CONTEXT, DIM, HEADS, LAYERS, SEED, LR = 2, 16, 16, 32, 4, 4, 0, 3e-3
+FLAGS = (
+    *("--steps", str(STEPS), "--batch-size", str(BATCH), "--context", str(CONTEXT)),
+    *("--dim", str(DIM), "--heads", str(HEADS), "--layers", str(LAYERS)),
+)
+MEMORY = "0.00045"  # GB: the plans that keep every tick's activations do not fit
+
+
+def reference_losses() -> dict[str, float]:
+    """The recipe's run written out plainly on one device: its weights (the seed's key),
+    batches (`text_windows` of the first nine tenths of the text, per seed and step),
+    AdamW, and the held-out loss of the last tenth."""
+    text = python_source_text()
+    split = int(0.9 * len(text.ids))
+    model = GPT(text.vocab_size, CONTEXT, DIM, HEADS, LAYERS, scan_layers=True, key=jax.random.key(SEED))
+    mesh = eqxpar.make_mesh(model=1)
+    specs = eqxpar.nn.partition_specs(model, mesh)
+
+    def loss_fn(model, tokens):
+        return eqxpar.filter_shard_map(
+            lambda m, b: next_token_loss(m, b), mesh=mesh, in_specs=(specs, P()), out_specs=P()
+        )(model, tokens)
+
+    optimizer = optax.adamw(LR)
+
+    @eqx.filter_jit
+    def train_step(model, opt_state, tokens):
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(model, tokens)
+        updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    losses = []
+    for i in range(STEPS):
+        model, opt_state, loss = train_step(
+            model, opt_state, text_windows(text.ids[:split], BATCH, CONTEXT, seed=SEED, step=i)
+        )
+        losses.append(float(loss))
+    val = eqx.filter_jit(loss_fn)(model, text_windows(text.ids[split:], 64, CONTEXT, seed=1234, step=0))
+    return {"first_loss": losses[0], "final_loss": losses[-1], "val_loss": float(val)}
+
+
+def test_layout_auto_picks_a_pipeline_prints_the_plans_and_equals_one_device(tmp_path, capsys):
+    metrics = run_recipe("pipeline_gpt", tmp_path, "--layout", "auto", "--memory-per-device", MEMORY, *FLAGS)
+    out = capsys.readouterr().out
+    assert "--layout auto: 5 fastest of the stage x data x model layouts on 8 simulated CPU devices" in out
+    table = out[out.index("\nlayout ") : out.index("\nmesh ")]
+    rows = table.strip().splitlines()[2:]
+    assert len(rows) == 5 and all("bubble" in row and row.startswith("stage=") for row in rows)
+    assert rows[0].startswith(metrics["layout"] + " ")  # the first plan is the one that ran
+    assert " 1f1b M=" in metrics["layout"] and metrics["schedule"] == "1f1b"
+    assert f"M={metrics['microbatches']}" in metrics["layout"]
+    assert metrics["mesh"].startswith(metrics["layout"].split()[0].split(",")[0])
+    # Exact: the compiled step moves what the plan predicted, every collective counted.
+    assert metrics["predicted_comm_bytes"] == metrics["compiled_comm_bytes"] > 0
+    assert metrics["predicted_peak_bytes"] <= float(MEMORY) * 1e9
+    assert 0.5 < metrics["compiled_peak_bytes"] / metrics["predicted_peak_bytes"] < 3
+    for key, value in reference_losses().items():
+        np.testing.assert_allclose(metrics[key], value, rtol=1e-5, err_msg=key)
+
+
+def test_layout_auto_takes_no_mesh_and_names_the_memory_that_would(capsys):
+    recipe = load_recipe("pipeline_gpt")
+    with pytest.raises(SystemExit) as stop:
+        recipe.main(["--layout", "auto", "--mesh", "stage=4,data=2", *FLAGS])
+    assert stop.value.code == 2
+    assert "--layout auto chooses the mesh itself: drop --mesh stage=4,data=2" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        recipe.main(["--layout", "auto", "--memory-per-device", "0.00001", *FLAGS])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "no stage x data x model layout" in err and "Give --memory-per-device" in err
+    # 3 blocks split over no stage count: no pipeline at all, said before anything compiles.
+    with pytest.raises(SystemExit) as stop:
+        recipe.main(["--layout", "auto", *FLAGS[:-1], "3"])
+    assert stop.value.code == 2
+    assert "layers over stage" in capsys.readouterr().err
