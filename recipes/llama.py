@@ -3,8 +3,11 @@
 What it shows: `eqxpar.models.Llama` (RMSNorm, rotary embeddings, grouped-query attention,
 SwiGLU; Hugging Face's field names) trained on Python's own source code, character by
 character. Its axes: `data` splits the batch, `model` the heads, key/value heads, MLP units
-and vocabulary (tensor parallelism), and an optional `fsdp` axis splits every parameter and
-its optimizer state as well (FSDP x TP). The model is created directly in its shards
+and vocabulary (tensor parallelism), an optional `fsdp` axis splits every parameter and its
+optimizer state as well (FSDP x TP), and an optional `context` axis splits every sequence
+(context parallelism: ring attention over the zigzag layout, each token rotated by its global
+position). `--sequence-parallel` splits the positions over `model` as well between the
+tensor-parallel layers (Megatron sequence parallelism). The model is created directly in its shards
 (`eqxpar.init_sharded`: no device ever holds all of it), or, with `--from-hf DIR`, loaded
 from a Hugging Face `LlamaForCausalLM` folder straight into them (`eqxpar.models.load_hf`:
 each device reads only its slice of each tensor). `--export-hf DIR` writes the trained
@@ -15,6 +18,7 @@ Run it (8 simulated CPU devices when there is no accelerator):
     python recipes/llama.py                                  # data=2, model=4
     python recipes/llama.py --mesh fsdp=2,model=4            # FSDP x tensor parallel
     python recipes/llama.py --devices 1                      # one device: the same losses
+    python recipes/llama.py --mesh data=2,context=2,model=2 --sequence-parallel   # CP x TP + SP
     python recipes/llama.py --export-hf /tmp/llama-hf        # train, then write a HF folder
     python recipes/llama.py --from-hf /tmp/llama-hf --mesh fsdp=8 --steps 50   # fine-tune it
     python recipes/llama.py --checkpoint-dir /tmp/llama --checkpoint-every 100 --resume
@@ -40,15 +44,16 @@ import eqxpar.nn
 import eqxpar.recipe
 from eqxpar.datasets import python_source_text, text_windows
 from eqxpar.models import Llama, LlamaConfig, llama_flops_per_token, llama_loss, load_hf, save_hf
+from eqxpar.nn import zigzag_order
 from eqxpar.train import fsdp_specs, fsdp_step, hybrid_step
 
-AXES = ("data", "fsdp", "model")
+AXES = ("data", "fsdp", "context", "model")
 
 
 @dataclasses.dataclass
 class Config(eqxpar.recipe.CheckpointFlags, eqxpar.recipe.LogFlags):  # + their flags
     devices: int = 8  # simulated CPU devices when there is no accelerator
-    mesh: str = "auto"  # axes data (batch), fsdp (parameters and batch), model (heads); e.g. fsdp=2,model=4
+    mesh: str = "auto"  # axes data (batch), fsdp (parameters and batch), context (sequences), model (heads)
     steps: int = 300  # training steps
     batch_size: int = 16  # the global batch: sequences per step, over all replicas
     context: int = 64  # characters the model sees
@@ -58,6 +63,7 @@ class Config(eqxpar.recipe.CheckpointFlags, eqxpar.recipe.LogFlags):  # + their 
     hidden_dim: int = 192  # the SwiGLU MLP's width (intermediate_size)
     layers: int = 2  # transformer blocks
     scan_layers: bool = False  # stack the blocks and run them with jax.lax.scan (one compiled block at any depth)
+    sequence_parallel: bool = False  # also split the positions over `model` between the tensor-parallel layers
     learning_rate: float = 3e-3  # AdamW step size
     seed: int = 0  # seeds the weights and the batches
     from_hf: str | None = None  # start from this Hugging Face Llama folder (its config.json sets the shape)
@@ -96,6 +102,22 @@ def check_flags(cfg: Config) -> Config:
         raise ValueError(f"--mesh {cfg.mesh}: data x fsdp does not divide --batch-size {cfg.batch_size}.")
     if cfg.from_hf is None and cfg.kv_heads % sizes.get("model", 1):
         raise ValueError(f"--mesh {cfg.mesh}: model={sizes['model']} does not divide --kv-heads {cfg.kv_heads}.")
+    c, n = sizes.get("context", 1), sizes.get("model", 1)
+    if cfg.context % (2 * c):
+        raise ValueError(
+            f"--mesh {cfg.mesh}: context={c} splits each sequence into {2 * c} zigzag chunks, which do not divide "
+            f"--context {cfg.context}; use a --context that is a multiple of {2 * c}."
+        )
+    if cfg.sequence_parallel and (cfg.context // c) % n:
+        raise ValueError(
+            f"--sequence-parallel splits the {cfg.context // c} positions per context shard over model={n}, which "
+            f"does not divide them; use a --context that is a multiple of {c * n}."
+        )
+    if cfg.from_hf is not None and ("context" in sizes or cfg.sequence_parallel):
+        raise ValueError(
+            "--from-hf loads the Llama with whole sequences on each device: leave out the context axis and "
+            "--sequence-parallel (or fine-tune on data, fsdp and model axes)."
+        )
     if "fsdp" not in sizes:
         sizes.setdefault("data", 1)
     sizes = {axis: sizes.get(axis, 1) for axis in AXES if axis in sizes or axis == "model"}
@@ -112,6 +134,10 @@ def main(argv=None) -> dict:
     mesh = eqxpar.make_mesh(**sizes)
     batch_axes = tuple(axis for axis in ("data", "fsdp") if axis in sizes)
     batch_axis = batch_axes[0] if len(batch_axes) == 1 else batch_axes
+    # A context axis splits every sequence: inputs and targets in the zigzag layout, the
+    # attention a ring over the axis, each token rotated by its global position.
+    context = "context" in sizes
+    batch_spec = P(batch_axis, "context") if context else P(batch_axis)
     say = print if eqxpar.recipe.is_main_process() else (lambda *a, **k: None)
 
     # --- Data: characters of some standard-library modules; the last 10% held out. ---
@@ -148,7 +174,16 @@ def main(argv=None) -> dict:
             tensor = eqxpar.nn.partition_specs(abstract, mesh)
             return fsdp_specs(abstract, mesh, param_specs=tensor) if fsdp else tensor
 
-        model = eqxpar.init_sharded(lambda: Llama(config, scan_layers=cfg.scan_layers, key=model_key), mesh, placement)
+        def build():
+            return Llama(
+                config,
+                scan_layers=cfg.scan_layers,
+                sequence_parallel=cfg.sequence_parallel,
+                attention_impl="ring" if context else "dot_product",
+                key=model_key,
+            )
+
+        model = eqxpar.init_sharded(build, mesh, placement)
     specs = eqxpar.nn.partition_specs(model, mesh)  # how the model computes: split over `model`
 
     # --- The step: hybrid (data x model), or FSDP x TP when the mesh has an fsdp axis. ---
@@ -156,18 +191,35 @@ def main(argv=None) -> dict:
         return llama_loss(model, tokens, key=key)
 
     optimizer = optax.adamw(cfg.learning_rate)
+    context_axis = "context" if context else None
     if fsdp:
-        step = fsdp_step(loss_fn, optimizer, mesh, batch_axis=batch_axis)
+        step = fsdp_step(loss_fn, optimizer, mesh, batch_axis=batch_axis, context_axis=context_axis)
     else:
-        step = hybrid_step(loss_fn, optimizer, mesh, param_specs=specs, batch_axis="data", model_axis="model")
+        step = hybrid_step(
+            loss_fn,
+            optimizer,
+            mesh,
+            param_specs=specs,
+            batch_axis="data",
+            model_axis="model",
+            context_axis=context_axis,
+        )
     model, opt_state = step.init(model)
+
+    def laid_out(tokens):  # under context parallelism: (inputs, targets), each device's part of every sequence
+        if not context:
+            return tokens
+        order = zigzag_order(cfg.context, sizes["context"])
+        return tokens[:, :-1][:, order], tokens[:, 1:][:, order]
 
     def batch(i: int):  # a pure function of (seed, step): any mesh, and a resumed run, sees the same
         tokens = text_windows(train_ids, cfg.batch_size, cfg.context, seed=cfg.seed, step=i)
-        return eqxpar.shard(tokens, mesh, P(batch_axis))
+        return eqxpar.shard(laid_out(tokens), mesh, batch_spec)
 
-    evaluate = eqxpar.recipe.held_out_loss(lambda model, tokens: llama_loss(model, tokens), mesh, specs)
-    val_tokens = text_windows(val_ids, 64, cfg.context, seed=1234, step=0)
+    evaluate = eqxpar.recipe.held_out_loss(
+        lambda model, tokens: llama_loss(model, tokens), mesh, specs, batch_spec=batch_spec
+    )
+    val_tokens = laid_out(text_windows(val_ids, 64, cfg.context, seed=1234, step=0))
     start_val_loss = float(evaluate(model, val_tokens))  # the model we start from (--from-hf: the file's)
     start_digest = eqxpar.recipe.parameter_digest(model)
     say(f"mesh {dict(mesh.shape)}; held-out loss before training {start_val_loss:.4f}")

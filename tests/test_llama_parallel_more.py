@@ -53,8 +53,9 @@ def config(num_kv_heads: int, tie: bool, layers: int = 2) -> LlamaConfig:
     )
 
 
-def tiny_llama(seed: int, num_kv_heads: int, tie: bool, *, scan: bool = False, layers: int = 2, **options) -> Llama:
+def tiny_llama(seed: int, num_kv_heads: int, tie: bool, *, scan: bool = True, layers: int = 2, **options) -> Llama:
     # init_std 0.2: attention far from uniform, so the rotary positions and grouping matter.
+    # Scanned layers by default: one compiled block (the same weights as unscanned ones).
     return Llama(config(num_kv_heads, tie, layers), scan_layers=scan, init_std=0.2, key=jax.random.key(seed), **options)
 
 
@@ -106,7 +107,7 @@ def reference_value_and_grad(num_kv_heads: int, tie: bool, scan: bool, layers: i
 
 
 @functools.cache
-def reference_run(seed: int, num_kv_heads: int, tie: bool, scan: bool = False, layers: int = 2):
+def reference_run(seed: int, num_kv_heads: int, tie: bool, layers: int, scan: bool = True):
     """(losses, gradients per step, final model) of the one-device Llama."""
     model = tiny_llama(seed, num_kv_heads, tie, scan=scan, layers=layers)
     value_and_grad = reference_value_and_grad(num_kv_heads, tie, scan, layers)
@@ -143,10 +144,10 @@ def arrays(tree) -> dict:
 
 
 def assert_equals_one_device(got, seed, num_kv_heads, tie, layers=2, what=""):
-    """`got` (losses, gradients, model) equals the one-device Llama's (unscanned layers:
-    the same weights as scanned ones for the same key)."""
+    """`got` (losses, gradients, model) equals the one-device Llama's (its layers scanned:
+    `arrays` compares either layout, the same weights for the same key)."""
     losses, grads, model = got
-    want_losses, want_grads, want = reference_run(seed, num_kv_heads, tie, False, layers)
+    want_losses, want_grads, want = reference_run(seed, num_kv_heads, tie, layers)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5, err_msg=f"{what} losses")
     for i in range(STEPS):
         assert_trees_close(arrays(grads[i]), arrays(want_grads[i]), what=f"{what} gradients at step {i}")
@@ -170,17 +171,19 @@ def sequence_parallel_step(strategy: str, sizes: tuple):
     model_size=st.sampled_from([2, 4]),
     num_kv_heads=st.sampled_from([4, NUM_HEADS]),
     tie=st.booleans(),
+    scan=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-# GQA over model=2 (one key/value head per device) with tied embeddings: every all-gather
-# and reduce-scatter of the attention, the MLP, the embedding and the head is on the path;
-# a dropped one changes a shape or leaves a sum partial, a doubled one doubles a sum.
-@example(strategy="hybrid", model_size=2, num_kv_heads=2, tie=True, seed=0)
-def test_sequence_parallel_llama_matches_one_device(strategy, model_size, num_kv_heads, tie, seed):
+# GQA over model=2 (two key/value heads per device, four query heads each) with tied
+# embeddings: every all-gather and reduce-scatter of the attention, the MLP, the embedding
+# and the head is on the path; a dropped one changes a shape or leaves a sum partial, a
+# doubled one doubles a sum.
+@example(strategy="hybrid", model_size=2, num_kv_heads=4, tie=True, scan=True, seed=0)
+def test_sequence_parallel_llama_matches_one_device(strategy, model_size, num_kv_heads, tie, scan, seed):
     batch_axis = "data" if strategy == "hybrid" else "fsdp"
     sizes = ((batch_axis, 8 // model_size), ("model", model_size))
     step = sequence_parallel_step(strategy, sizes)
-    model = tiny_llama(seed, num_kv_heads, tie, sequence_parallel=True)
+    model = tiny_llama(seed, num_kv_heads, tie, scan=scan, sequence_parallel=True)
     batches = [eqxpar.shard(b, step.mesh, P(batch_axis)) for b in token_batches(seed)]
     got = run_steps(step, model, batches)
     assert_equals_one_device(got, seed, num_kv_heads, tie, what=f"sequence-parallel {strategy} {sizes}")
@@ -214,20 +217,28 @@ CONTEXT_MESHES = [
     sizes=st.sampled_from(CONTEXT_MESHES),
     mode=st.sampled_from(["ring", "all_gather"]),
     sequence_parallel=st.booleans(),
-    num_kv_heads=st.sampled_from([2, NUM_HEADS]),
+    num_kv_heads=st.sampled_from([2, 4, NUM_HEADS]),
     tie=st.booleans(),
+    scan=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-# Ring attention over data=2 x context=2 x model=2 with sequence parallelism on top, GQA
-# and tied embeddings: context device 0 holds positions 0-3 and 12-15, device 1 positions
-# 4-11; rotating them by local positions 0-7 (the classic bug) trains, but not as one
-# device does. All-gather attention is drawn under thorough.
+# Ring attention over context=4 x model=2 with sequence parallelism on top, GQA (two
+# key/value heads per device: their order against the query heads shows) and tied
+# embeddings: context device i holds positions 2i, 2i+1, 14-2i and 15-2i; rotating them
+# by local positions 0-3 (the classic bug) trains, but not as one device does (loss 2%
+# off). All-gather attention is drawn under thorough.
 @example(
-    sizes={"data": 2, "context": 2, "model": 2}, mode="ring", sequence_parallel=True, num_kv_heads=2, tie=True, seed=1
+    sizes={"data": 1, "context": 4, "model": 2},
+    mode="ring",
+    sequence_parallel=True,
+    num_kv_heads=4,
+    tie=True,
+    scan=True,
+    seed=1,
 )
-def test_context_parallel_llama_matches_one_device(sizes, mode, sequence_parallel, num_kv_heads, tie, seed):
+def test_context_parallel_llama_matches_one_device(sizes, mode, sequence_parallel, num_kv_heads, tie, scan, seed):
     step = context_step(tuple(sizes.items()))
-    model = tiny_llama(seed, num_kv_heads, tie, attention_impl=mode, sequence_parallel=sequence_parallel)
+    model = tiny_llama(seed, num_kv_heads, tie, scan=scan, attention_impl=mode, sequence_parallel=sequence_parallel)
     batches = [context_batch(b, step.mesh) for b in token_batches(seed)]
     got = run_steps(step, model, batches)
     assert_equals_one_device(got, seed, num_kv_heads, tie, what=f"context-parallel {mode} {sizes}")
@@ -255,7 +266,7 @@ def pipeline(schedule: str, sizes: tuple, microbatches: int, virtual: int):
 )
 # 1F1B over stage=2 x data=2 x model=2 with GQA and tied embeddings (the first and last
 # stages share the table: its two gradients meet over the stage axis).
-@example(schedule="1f1b", stages=2, model_size=2, num_kv_heads=2, tie=True, seed=3)
+@example(schedule="1f1b", stages=2, model_size=2, num_kv_heads=4, tie=True, seed=3)
 def test_pipelined_llama_matches_one_device(schedule, stages, model_size, num_kv_heads, tie, seed):
     virtual = 2 if schedule == "circular" else 1
     layers = stages * virtual
@@ -274,7 +285,7 @@ def test_pipelined_llama_matches_one_device(schedule, stages, model_size, num_kv
 
 def test_combinations_the_llama_cannot_run_are_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"moe= routes whole sequences.*sequence_parallel=False"):
-        tiny_llama(0, 2, False, moe=MoEOptions(num_experts=2, top_k=1), sequence_parallel=True)
+        tiny_llama(0, 2, False, scan=False, moe=MoEOptions(num_experts=2, top_k=1), sequence_parallel=True)
     with pytest.raises(ValueError, match=r"attention_impl must be one of \('dot_product', 'ring', 'all_gather'\)"):
         tiny_llama(0, 2, False, attention_impl="reference")
     # A context-parallel Llama in a step that splits no sequences: the step names context_axis.
@@ -288,7 +299,7 @@ def test_combinations_the_llama_cannot_run_are_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"keeps whole sequences.*attention_impl='dot_product'"):
         step.init(tiny_llama(0, 2, False, scan=True, attention_impl="ring"))
     with pytest.raises(ValueError, match=r"must be stacked.*scan_layers=True"):
-        step.init(tiny_llama(0, 2, False))
+        step.init(tiny_llama(0, 2, False, scan=False))
     with pytest.raises(ValueError, match=r"sequence_parallel=True cannot be pipelined yet.*sequence_parallel=False"):
         step.init(tiny_llama(0, 2, False, scan=True, sequence_parallel=True))
     # One token array under context parallelism: the shift cannot be done on a split sequence.

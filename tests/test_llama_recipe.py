@@ -82,3 +82,21 @@ def test_a_resumed_run_continues_exactly(default_run, tmp_path):
     assert resumed["resumed_from_step"] == 4
     assert resumed["losses"] == uninterrupted["losses"]  # the saved history, then the same steps
     assert resumed["param_digest"] == uninterrupted["param_digest"]
+
+
+def test_context_and_sequence_parallel_mesh_trains_as_the_default_one(default_run, tmp_path, capsys):
+    """data=2,context=2,model=2 with --sequence-parallel: every sequence split over context
+    (ring attention, zigzag layout, RoPE at global positions) and the positions over model
+    between the tensor-parallel layers; the first steps' losses are the default mesh's
+    (which the test above holds equal to one device's)."""
+    _, default = default_run
+    flags = [f for f in SMALL if f not in ("--steps", "6")]
+    mesh = "data=2,context=2,model=2"
+    metrics = run_recipe("llama", tmp_path, *flags, "--steps", "2", "--mesh", mesh, "--sequence-parallel")
+    assert metrics["mesh"] == mesh
+    np.testing.assert_allclose(metrics["losses"], default["losses"][:2], rtol=1e-5)
+    # A sequence the zigzag layout cannot cut: one line, exit 2, before anything compiles.
+    with pytest.raises(SystemExit) as stop:
+        run_recipe("llama", tmp_path, *flags, "--context", "10", "--mesh", "data=2,context=2,model=2")
+    assert stop.value.code == 2
+    assert "context=2 splits each sequence into 4 zigzag chunks" in capsys.readouterr().err
