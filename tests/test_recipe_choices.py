@@ -44,7 +44,7 @@ def test_the_choice_flags():
     assert choices(load_recipe("hybrid_gpt").Config)["layout"] == ("mesh", "auto")
     assert found["fsdp"] == ["attention", "dtype"]
     assert found["long_context"] == ["attention", "remat"]
-    assert found["pipeline_gpt"] == ["schedule"]
+    assert found["pipeline_gpt"] == ["layout", "schedule"]  # --layout mesh|auto (the planner)
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if n in ("hybrid_gpt", "fsdp", "long_context", "pipeline_gpt")])
