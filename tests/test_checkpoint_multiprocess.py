@@ -8,20 +8,17 @@ every restored value is compared byte for byte with the state that was saved.
 
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
 from _checkpoint_processes import LAYOUTS, SAVED_BY_ONE, SAVED_BY_TWO, STEP, host_values, make_state
+from _launch import run_job
 from _recipes import run_recipe
 
 import eqxpar
 from eqxpar.checkpoint import Checkpointer
 from eqxpar.testing import assert_trees_close
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def as_bytes(values):
@@ -36,26 +33,7 @@ def two_process_job(tmp_path_factory):
     saved = make_state(1, eqxpar.make_mesh(**sizes), specs)
     with Checkpointer(directory / SAVED_BY_ONE) as ckpt:
         ckpt.maybe_save(STEP, saved, data_state={"index": 64})
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "eqxpar.launch",
-            "--nproc",
-            "2",
-            "--devices-per-proc",
-            "4",
-            "--timeout-s",
-            "150",
-            os.path.join("tests", "_checkpoint_processes.py"),
-            str(directory),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    run = run_job(2, 4, os.path.join("tests", "_checkpoint_processes.py"), str(directory))
     assert "[rank 1] done process 1 of 2: 4 local / 8 global cpu devices" in run.stdout, run.stdout[-2000:]
     ranks = [json.loads((directory / f"rank{r}.json").read_text()) for r in range(2)]
     return directory, host_values(saved), ranks
@@ -116,28 +94,7 @@ def test_multihost_recipe_resumes_with_another_process_count(tmp_path, capsys):
         "--checkpoint-every",
         "2",
     )
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "eqxpar.launch",
-            "--nproc",
-            "2",
-            "--devices-per-proc",
-            "4",
-            "--timeout-s",
-            "150",
-            "recipes/multihost.py",
-            *flags,
-            "--metrics-out",
-            str(tmp_path / "two.json"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    run_job(2, 4, "recipes/multihost.py", *flags, "--metrics-out", str(tmp_path / "two.json"))
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["2", "4"]
     capsys.readouterr()
     resumed = run_recipe("multihost", tmp_path, *flags, "--steps", "6", "--resume")

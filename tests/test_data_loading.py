@@ -8,13 +8,12 @@ expected batch is always rebuilt from the records themselves: record i carries i
 
 import json
 import os
-import subprocess
-import sys
 
 import grain
 import jax
 import numpy as np
 import pytest
+from _launch import run_job
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -22,7 +21,6 @@ import eqxpar
 from eqxpar import data
 from eqxpar.testing import mesh_sizes
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STRATEGIES = {
     "global_then_slice": data.load_global_then_slice,
     "per_device": data.load_per_device,
@@ -255,26 +253,7 @@ def test_array_records_rejects_ragged_arrays():
 @pytest.fixture(scope="module")
 def two_process_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("multiprocess_data")
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "eqxpar.launch",
-            "--nproc",
-            "2",
-            "--devices-per-proc",
-            "4",
-            "--timeout-s",
-            "150",
-            os.path.join("tests", "_multiprocess_data.py"),
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    run = run_job(2, 4, os.path.join("tests", "_multiprocess_data.py"), str(out))
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     return dict(np.load(out / "batches.npz")), ranks, run.stdout
 
@@ -340,33 +319,8 @@ def test_data_loading_recipe_in_one_process(tmp_path):
 @pytest.mark.slow
 def test_data_loading_recipe_as_two_processes(tmp_path):
     out = tmp_path / "metrics.json"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "eqxpar.launch",
-            "--nproc",
-            "2",
-            "--devices-per-proc",
-            "4",
-            "--timeout-s",
-            "150",
-            "recipes/data_loading.py",
-            "--mesh",
-            "model=2,data=4",
-            "--steps",
-            "2",
-            "--batch-size",
-            "32",
-            "--metrics-out",
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    flags = ("--mesh", "model=2,data=4", "--steps", "2", "--batch-size", "32", "--metrics-out", str(out))
+    run = run_job(2, 4, "recipes/data_loading.py", *flags)
     metrics = json.loads(out.read_text())
     reads = {name: r["reads_per_process"] for name, r in metrics["strategies"].items()}
     # model=2 spans the processes: each process holds all 4 data shards, so it needs all 32

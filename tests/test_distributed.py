@@ -15,6 +15,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from _launch import run_job
 from _recipes import run_recipe
 
 import eqxpar.distributed as distributed
@@ -115,13 +116,7 @@ def test_only_process_0_prints_and_logs(capsys):
 def test_a_process_count_that_contradicts_the_launcher_fails_every_rank(tmp_path):
     script = tmp_path / "three.py"
     script.write_text("import eqxpar.distributed\neqxpar.distributed.initialize(num_processes=3)\n")
-    run = subprocess.run(
-        [sys.executable, "-m", "eqxpar.launch", "--nproc", "2", "--devices-per-proc", "2", str(script)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    run = run_job(2, 2, str(script), timeout_s=90, check=False)
     assert run.returncode == 1
     assert "initialize(num_processes=3) does not match the environment, which says EQXPAR_NUM_PROCESSES=2" in run.stdout
     assert "exited with status 1" in run.stderr
@@ -211,28 +206,7 @@ FLAGS = ("--steps", "8", "--batch-size", "64", "--learning-rate", "0.2")
 def test_multihost_recipe_matches_one_process_and_one_device(tmp_path):
     metrics_path = tmp_path / "two_processes.json"
     start = time.monotonic()
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "eqxpar.launch",
-            "--nproc",
-            "2",
-            "--devices-per-proc",
-            "4",
-            "--timeout-s",
-            "150",
-            "recipes/multihost.py",
-            *FLAGS,
-            "--metrics-out",
-            str(metrics_path),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    run = run_job(2, 4, "recipes/multihost.py", *FLAGS, "--metrics-out", str(metrics_path))
     seconds = time.monotonic() - start
     two = json.loads(metrics_path.read_text())
     assert (two["processes"], two["devices"]) == (2, 8)

@@ -9,10 +9,10 @@ with status 1); rank 0 stops too, and the launcher reports 3.
 
 import os
 import subprocess
-import sys
 import time
 
 import pytest
+from _launch import launch_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "_failing_rank.py")
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 def test_sys_exit_3_in_one_rank_ends_the_job_with_status_3():
     proc = subprocess.Popen(
-        [sys.executable, "-m", "eqxpar.launch", "--nproc", "2", "--devices-per-proc", "1", SCRIPT, "exit3", "1"],
+        launch_command(2, 1, SCRIPT, "exit3", "1"),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -20,6 +20,7 @@ import threading
 import time
 
 import pytest
+from _launch import launch_command
 
 from eqxpar.distributed import EXIT_PEER_FAILED
 from eqxpar.launch import free_port
@@ -154,19 +155,7 @@ class Job:
 
 
 def launcher_job(mode, failing):
-    command = [
-        sys.executable,
-        "-m",
-        "eqxpar.launch",
-        "--nproc",
-        "2",
-        "--devices-per-proc",
-        "2",
-        SCRIPT,
-        mode,
-        str(failing),
-    ]
-    return Job([(command, dict(os.environ))])
+    return Job([(launch_command(2, 2, SCRIPT, mode, str(failing)), dict(os.environ))])
 
 
 def by_hand_job(mode, failing, kind):

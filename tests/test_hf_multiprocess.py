@@ -10,7 +10,6 @@ timeout: a deadlock (a process left alone in a gather) or a failed rank fails th
 import json
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -26,12 +25,11 @@ from _hf_files import (
     write_checkpoint,
 )
 from _hf_processes import CASES, TOKENS
+from _launch import run_job
 from safetensors.numpy import load_file
 
 import eqxpar
 from eqxpar.models import load_hf, save_hf
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def checkpoints(directory) -> dict:
@@ -45,29 +43,9 @@ def checkpoints(directory) -> dict:
     return out
 
 
-def run_job(directory, *cases: str) -> subprocess.CompletedProcess:
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "eqxpar.launch",
-            "--nproc",
-            "2",
-            "--devices-per-proc",
-            "2",
-            "--timeout-s",
-            "120",
-            os.path.join("tests", "_hf_processes.py"),
-            str(directory),
-            *cases,
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=150,
-    )
-    # Every process exited 0 (the launcher stops all and fails if one fails or the job hangs).
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+def run_cases(directory, *cases: str) -> subprocess.CompletedProcess:
+    # Every process exits 0 (the launcher stops all and fails if one fails or the job hangs).
+    run = run_job(2, 2, os.path.join("tests", "_hf_processes.py"), str(directory), *cases, timeout_s=120)
     for rank in range(2):
         assert f"[rank {rank}] done process {rank} of 2: 2 local / 4 global cpu devices" in run.stdout, run.stdout
     return run
@@ -136,7 +114,7 @@ def job(tmp_path_factory):
     parallelism with `model=2` across the processes."""
     directory = tmp_path_factory.mktemp("hf_two_processes")
     written = checkpoints(directory)
-    run_job(directory, "llama", "gpt2")
+    run_cases(directory, "llama", "gpt2")
     return directory, written
 
 
@@ -201,7 +179,7 @@ def test_tensor_parallel_llama_saved_in_shards_from_two_processes(tmp_path):
     directory = tmp_path / "job"
     directory.mkdir()
     written = checkpoints(directory)
-    run_job(directory, "llama_data_model")
+    run_cases(directory, "llama_data_model")
     tensors, config = written["llama"]
     for report in reports(directory, "llama_data_model"):
         assert sum(n for _, n, _ in report["reads"]) == sum(t.nbytes for t in tensors.values())

@@ -18,6 +18,7 @@ import sys
 import time
 
 import pytest
+from _launch import launch_command
 
 from eqxpar.checkpoint import EXIT_PREEMPTED
 
@@ -57,18 +58,7 @@ def command(recipe, nproc, *flags):
     recipe_flags = RECIPES[recipe][0]
     if nproc == 1:
         return [sys.executable, script, *recipe_flags, *flags]
-    return [
-        sys.executable,
-        "-m",
-        "eqxpar.launch",
-        "--nproc",
-        str(nproc),
-        "--devices-per-proc",
-        "1",
-        script,
-        *recipe_flags,
-        *flags,
-    ]
+    return launch_command(nproc, 1, script, *recipe_flags, *flags)
 
 
 def run(recipe, nproc, *flags, timeout=300):

@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+from _launch import launch_command
 
 from eqxpar.distributed import EXIT_PEER_FAILED, Watchdog
 
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 def test_a_stalled_rank_ends_the_job_with_every_stack_printed():
     proc = subprocess.Popen(
-        [sys.executable, "-m", "eqxpar.launch", "--nproc", "2", "--devices-per-proc", "1", SCRIPT, "hang", "1"],
+        launch_command(2, 1, SCRIPT, "hang", "1"),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
