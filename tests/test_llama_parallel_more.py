@@ -10,10 +10,11 @@ grouped-query attention and tied embeddings drawn.
   stage x data x model meshes, with scanned layers.
 - Combinations the Llama cannot run are a ValueError naming the fix before compile.
 
-Each example compiles a train step: the default profile runs the pinned examples only
-(one per strategy, on the paths where a dropped or doubled collective or local RoPE
-positions show), all four sharing one compiled one-device reference; the drawn ones run
-under HYPOTHESIS_PROFILE=thorough.
+Each example compiles a train step: the default profile runs the pinned examples only,
+sharing one compiled one-device reference: the context-parallel pin with sequence
+parallelism on top (where a dropped or doubled all-gather or reduce-scatter, or local RoPE
+positions, show) and the pipeline pin. The sequence-parallel test on its own and the drawn
+examples run under HYPOTHESIS_PROFILE=thorough.
 """
 
 import functools
@@ -143,14 +144,16 @@ def arrays(tree) -> dict:
     return {jax.tree_util.keystr(p): x for p, x in flat}
 
 
-def assert_equals_one_device(got, seed, num_kv_heads, tie, layers=2, what=""):
+def assert_equals_one_device(got, seed, num_kv_heads, tie, layers=2, what="", grad_atol=1e-6):
     """`got` (losses, gradients, model) equals the one-device Llama's (its layers scanned:
     `arrays` compares either layout, the same weights for the same key)."""
     losses, grads, model = got
     want_losses, want_grads, want = reference_run(seed, num_kv_heads, tie, layers)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5, err_msg=f"{what} losses")
     for i in range(STEPS):
-        assert_trees_close(arrays(grads[i]), arrays(want_grads[i]), what=f"{what} gradients at step {i}")
+        assert_trees_close(
+            arrays(grads[i]), arrays(want_grads[i]), atol=grad_atol, what=f"{what} gradients at step {i}"
+        )
     assert_trees_close(arrays(model), arrays(want), what=f"{what} parameters after {STEPS} steps")
 
 
@@ -165,6 +168,7 @@ def sequence_parallel_step(strategy: str, sizes: tuple):
     return hybrid_step(loss_fn, OPTIMIZER, mesh)
 
 
+@pytest.mark.thorough  # the context-parallel pin below runs the same SP path by default
 @PINS_ONLY
 @given(
     strategy=st.sampled_from(["hybrid", "fsdp"]),
@@ -226,7 +230,9 @@ CONTEXT_MESHES = [
 # key/value heads per device: their order against the query heads shows) and tied
 # embeddings: context device i holds positions 2i, 2i+1, 14-2i and 15-2i; rotating them
 # by local positions 0-3 (the classic bug) trains, but not as one device does (loss 2%
-# off). All-gather attention is drawn under thorough.
+# off). Every SP all-gather and reduce-scatter is on the path too: a dropped one changes
+# a shape or leaves a sum partial (down_proj's: loss 1% off), a doubled one doubles a sum.
+# All-gather attention is drawn under thorough.
 @example(
     sizes={"data": 1, "context": 4, "model": 2},
     mode="ring",
@@ -277,7 +283,11 @@ def test_pipelined_llama_matches_one_device(schedule, stages, model_size, num_kv
     model = tiny_llama(seed, num_kv_heads, tie, scan=True, layers=layers)
     batches = [shard_batch(b, step.mesh, batch_axis="data") for b in token_batches(seed)]
     got = run_steps(step, model, batches)
-    assert_equals_one_device(got, seed, num_kv_heads, tie, layers=layers, what=f"{schedule} {sizes}")
+    # The pipeline sums the micro-batches' gradients in its scan, and a tied table's two
+    # gradients (embedding, head) over the stage axis: float32 sums in another order than
+    # one device's (seen: 2.3e-6 off on an entry of 0.1, circular schedule, tied). A
+    # dropped or doubled transfer is off by 1e-2 and more.
+    assert_equals_one_device(got, seed, num_kv_heads, tie, layers=layers, what=f"{schedule} {sizes}", grad_atol=1e-5)
 
 
 # --- Refused before compile ----------------------------------------------------------------

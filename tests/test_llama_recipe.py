@@ -92,7 +92,10 @@ def test_context_and_sequence_parallel_mesh_trains_as_the_default_one(default_ru
     _, default = default_run
     flags = [f for f in SMALL if f not in ("--steps", "6")]
     mesh = "data=2,context=2,model=2"
-    metrics = run_recipe("llama", tmp_path, *flags, "--steps", "2", "--mesh", mesh, "--sequence-parallel")
+    # Scanned layers (one compiled block): the same weights as the default run's loop.
+    metrics = run_recipe(
+        "llama", tmp_path, *flags, "--steps", "2", "--mesh", mesh, "--sequence-parallel", "--scan-layers"
+    )
     assert metrics["mesh"] == mesh
     np.testing.assert_allclose(metrics["losses"], default["losses"][:2], rtol=1e-5)
     # A sequence the zigzag layout cannot cut: one line, exit 2, before anything compiles.
