@@ -15,10 +15,13 @@ import functools
 
 import jax.numpy as jnp
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from test_plan import PAD, VOCAB, cpu_cluster
 
 import eqxpar.plan
 from eqxpar.models import GPTConfig
+from eqxpar.plan import _pipeline
 from eqxpar.train import bubble_theory, make_schedule, stage_boundary_bytes
 
 BATCH = 8
@@ -53,6 +56,7 @@ def test_pipeline_candidates_and_their_rules():
         assert name in names, sorted(names)
     for p in plans.values():
         lay = p.layout
+        make_schedule(lay.schedule, lay.stage, lay.microbatches, lay.virtual_stages)  # the step's schedule accepts it
         # Only what pipeline_step runs: no context axis, no SP, no FSDP priced inside stages.
         assert lay.context == lay.fsdp == 1 and not lay.sequence_parallel and lay.attention == "dot_product"
         assert BATCH % (lay.data * lay.microbatches) == 0 and FOUR.layers % (lay.stage * lay.virtual_stages) == 0
@@ -132,3 +136,25 @@ def test_pipeline_predictions_equal_the_compiled_step(name, config):
     # CPU compiler's fixed costs dominate. Stated bound (docs/concepts/planner.md).
     assert 0.5 < v.peak_ratio < 3.0, str(v)
     assert name in eqxpar.plan.validation_table([v])
+
+
+@given(
+    schedule=st.sampled_from(["gpipe", "1f1b", "circular"]),
+    stages=st.integers(2, 8),
+    groups=st.integers(1, 6),
+    virtual=st.sampled_from([1, 2, 4]),
+)
+def test_the_planners_closed_forms_are_the_schedules_tables(schedule, stages, groups, virtual):
+    """The planner counts ticks in closed form (the tables cost ticks x stages to build):
+    the same forward and backward ticks, stage-boundary bytes and 1F1B in-flight count as
+    `make_schedule`'s tables and `stage_boundary_bytes`."""
+    r = virtual if schedule == "circular" else 1
+    M = stages * groups if schedule == "circular" else groups
+    table = make_schedule(schedule, stages, M, r)
+    layout = eqxpar.plan.Layout(1, 1, 1, 1, "block", False, "dot_product", stages, schedule, M, r)
+    forward, backward = _pipeline.ticks(layout)
+    assert forward == sum(n for kind, _, n in table.phases if kind in ("forward", "both"))
+    assert backward == sum(n for kind, _, n in table.phases if kind in ("backward", "both"))
+    assert stage_boundary_bytes(table, 3) == 3 * (forward + backward)
+    if schedule == "1f1b":
+        assert _pipeline.in_flight(layout) == table.max_in_flight()

@@ -183,12 +183,15 @@ def rule_out(layout: Layout, gpt: GPT, batch: int, seq: int) -> str | None:
 
 def _pipeline_rule(layout: Layout, gpt: GPT, batch: int) -> str | None:
     """What `pipeline_step` refuses: a schedule [`eqxpar.train.make_schedule`][] refuses
-    (circular micro-batches not a multiple of the stages), layers that do not split into
+    (circular micro-batches not a multiple of the stages: the one rule a planned schedule
+    can break; its message is make_schedule's), layers that do not split into
     `stage x virtual_stages`, a batch that does not split into batch shards x micro-batches."""
-    try:
-        make_schedule(layout.schedule or "gpipe", layout.stage, layout.microbatches, layout.virtual_stages)
-    except ValueError as error:
-        return str(error)
+    P, M, r = layout.stage, layout.microbatches, layout.virtual_stages
+    if layout.schedule == "circular" and r > 1 and M % P:  # make_schedule's rule (its tables cost ticks x P)
+        try:
+            make_schedule("circular", P, M, r)
+        except ValueError as error:
+            return str(error)
     chunks = layout.stage * layout.virtual_stages
     if gpt.num_layers % chunks:
         return (

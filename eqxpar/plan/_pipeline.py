@@ -22,7 +22,7 @@ from .._specs import spec_axes
 from ..inspect import CommTheory, TheoryTerm
 from ..models import GPT, gpt_activation_theory, gpt_stages
 from ..nn import partition_specs
-from ..train import Schedule, make_schedule, pipeline_specs, stage_boundary_bytes
+from ..train import pipeline_specs
 from ._abstract import AXES
 from ._candidates import Layout
 from ._predict import WORKING_SET_BLOCKS, Memory, block_bytes, flops_per_token, optimizer_layout
@@ -62,15 +62,19 @@ def _others(tree: Any) -> Any:
     return eqx.tree_at(lambda m: m.blocks, tree, None)
 
 
-def schedule_of(layout: Layout) -> Schedule:
-    return make_schedule(layout.schedule, layout.stage, layout.microbatches, layout.virtual_stages)
+def ticks(layout: Layout) -> tuple[int, int]:
+    """(forward ticks, backward ticks) of the layout's schedule, in closed form (the tables
+    of [`eqxpar.train.make_schedule`][] cost ticks x stages to build;
+    tests/test_plan_pipeline.py checks these against them): `r M + P - 1` each way for
+    GPipe and circular; for 1F1B `P - 1` warm-up forward ticks, `M` ticks of both, `P - 1`
+    backward ticks."""
+    P, M, r = layout.stage, layout.microbatches, layout.virtual_stages
+    return (r * M + P - 1, r * M + P - 1)
 
 
-def _ticks(table: Schedule) -> tuple[int, int]:
-    """(forward ticks, backward ticks) of the schedule."""
-    forward = sum(n for kind, _, n in table.phases if kind in ("forward", "both"))
-    backward = sum(n for kind, _, n in table.phases if kind in ("backward", "both"))
-    return forward, backward
+def in_flight(layout: Layout) -> int:
+    """The most stage inputs a 1F1B stage keeps (`Schedule.max_in_flight`): `min(M, 2P - 1)`."""
+    return min(layout.microbatches, 2 * layout.stage - 1)
 
 
 def _key(axes: tuple[str, ...], sizes: dict[str, int]) -> tuple[str, ...]:
@@ -81,7 +85,7 @@ def pipeline_comm(gpt: GPT, layout: Layout, specs: Any, batch: int, seq: int) ->
     """The collectives of a pipeline step, per device per step:
 
     - `collective-permute` over `stage`: [`eqxpar.train.stage_boundary_bytes`][] of the
-      schedule, one micro-batch's stage output each; less one for 1F1B on 2 stages, whose
+      schedule (from the closed-form ticks), one micro-batch's stage output each; less one for 1F1B on 2 stages, whose
       last backward phase is a single tick: XLA unrolls it and drops its gradient send,
       which nothing reads.
     - circular with `r > 1`: the blocks' interleaved layout on the way in and the
@@ -101,7 +105,6 @@ def pipeline_comm(gpt: GPT, layout: Layout, specs: Any, batch: int, seq: int) ->
       ticks recompute the forward inside their `jax.vjp`.
     """
     sizes = layout.sizes
-    table = schedule_of(layout)
     P, r, M = layout.stage, layout.virtual_stages, layout.microbatches
     itemsize = np.dtype(gpt.position_embedding.weight.dtype).itemsize
     dim = gpt.position_embedding.weight.shape[-1]
@@ -109,10 +112,10 @@ def pipeline_comm(gpt: GPT, layout: Layout, specs: Any, batch: int, seq: int) ->
     tokens = rows * seq
     stream = tokens * dim * itemsize
     terms: list[TheoryTerm] = []
-    sent = stage_boundary_bytes(table, stream)
+    ticks_f, ticks_b = ticks(layout)
+    sent = (ticks_f + ticks_b) * stream  # eqxpar.train.stage_boundary_bytes of the schedule
     if layout.schedule == "1f1b" and P == 2:
         sent -= stream
-    ticks_f, ticks_b = _ticks(table)
     terms.append(
         TheoryTerm(
             "collective-permute", ("stage",), sent, f"stage outputs and their gradients, {ticks_f}+{ticks_b} ticks"
@@ -200,7 +203,6 @@ def pipeline_memory(
       blocks and their gradients.
     """
     sizes = layout.sizes
-    table = schedule_of(layout)
     P, r, M = layout.stage, layout.virtual_stages, layout.microbatches
     params = block_bytes(gpt, specs, sizes)
     opt_shapes, opt_specs = optimizer_layout(gpt, optimizer, specs)
@@ -212,13 +214,13 @@ def pipeline_memory(
     rows = batch // (layout.batch_shards * M)
     dim = gpt.position_embedding.weight.shape[-1]
     stage_input = rows * seq * dim * np.dtype(dtype).itemsize
-    ticks = table.ticks // 2 if layout.schedule != "1f1b" else 0
+    kept, _ = ticks(layout)  # GPipe and circular keep every forward tick's residuals
     if layout.schedule == "1f1b":
-        saved, per_block = table.max_in_flight() * stage_input, 0
+        saved, per_block = in_flight(layout) * stage_input, 0
     elif layout.remat == "block":
-        saved, per_block = ticks * stage_input, 0
+        saved, per_block = kept * stage_input, 0
     else:
-        saved, per_block = ticks * tick, ticks * activations.per_block
+        saved, per_block = kept * tick, kept * activations.per_block
     temporaries = params  # the gradients
     if np.dtype(dtype) != np.dtype(gpt.position_embedding.weight.dtype):
         temporaries += block_bytes(gpt, specs, sizes, dtype=dtype)

@@ -71,14 +71,9 @@ class Schedule:
     def max_in_flight(self) -> int:
         """The most micro-batch chunks any stage has run forward but not yet backward: how
         many stage inputs it must keep."""
-        worst = 0
-        for s in range(self.stages):
-            alive = 0
-            for t in range(self.ticks):
-                alive += int(self.forward[t, s] >= 0)
-                worst = max(worst, alive)
-                alive -= int(self.backward[t, s] >= 0)
-        return worst
+        forward = np.cumsum(self.forward >= 0, axis=0)
+        backward_before = np.cumsum(self.backward >= 0, axis=0) - (self.backward >= 0)
+        return int((forward - backward_before).max(initial=0))  # after each tick's forward
 
     def text(self) -> str:
         """The table as text: one row per stage, one column per tick, `F3` for micro-batch
@@ -136,15 +131,11 @@ def _circular_forward(P: int, M: int, r: int) -> tuple[np.ndarray, np.ndarray]:
     # Micro-batches go round the ring in groups of P: device s at tick t works on k = t - s;
     # group k // (rP), pass (chunk) (k % rP) // P, micro-batch group*P + k % P.
     ticks = r * M + P - 1
-    mb = np.full((ticks, P), -1)
-    chunk = np.full((ticks, P), -1)
-    for t in range(ticks):
-        for s in range(P):
-            k = t - s
-            if 0 <= k < r * M:
-                group, within = divmod(k, r * P)
-                mb[t, s] = group * P + within % P
-                chunk[t, s] = within // P
+    k = np.arange(ticks)[:, None] - np.arange(P)[None, :]
+    valid = (k >= 0) & (k < r * M)
+    group, within = np.divmod(np.where(valid, k, 0), r * P)
+    mb = np.where(valid, group * P + within % P, -1)
+    chunk = np.where(valid, within // P, -1)
     return mb, chunk
 
 
@@ -202,10 +193,9 @@ def make_schedule(schedule: str, stages: int, microbatches: int, virtual_stages:
     ticks = M + 2 * (P - 1)
     forward = np.full((ticks, P), -1)
     backward = np.full((ticks, P), -1)
-    for s in range(P):
-        for i in range(M):
-            forward[i + s, s] = i
-            backward[i + 2 * (P - 1) - s, s] = i
+    i, s = np.meshgrid(np.arange(M), np.arange(P), indexing="ij")
+    forward[i + s, s] = i
+    backward[i + 2 * (P - 1) - s, s] = i
     zeros = np.where(forward >= 0, 0, -1), np.where(backward >= 0, 0, -1)
     phases = (("forward", 0, P - 1), ("both", P - 1, M), ("backward", M + P - 1, P - 1))
     return Schedule("1f1b", P, M, 1, forward, zeros[0], backward, zeros[1], tuple(p for p in phases if p[2] > 0))
