@@ -227,6 +227,8 @@ def layout_metrics(cfg: Any, plan: Plan | None, comm: CommReport, memory: Memory
         name = f"{used} remat={remat}"
         if sizes.get("stage", 1) > 1 and hasattr(cfg, "schedule"):  # a pipeline recipe's flags
             r = f" r={cfg.virtual_stages}" if cfg.schedule == "circular" else ""
+            if cfg.schedule == "1f1b":  # it always recomputes the stage: the planner's "block"
+                name = f"{used} remat=block"
             name += f" {cfg.schedule}{r} M={cfg.microbatches}"
     return {
         "layout": name,
