@@ -33,7 +33,7 @@ from .._specs import (
     spec_axes,
 )
 from ..nn import partition_specs
-from ._checks import check_batch_divides, check_builder, check_model_axes
+from ._checks import _moe_layers, check_batch_divides, check_builder, check_experts, check_model_axes
 from ._gradients import leaf_plans, whole_leaf
 from ._pipeline_run import PipelinePlan, gpipe_loss, one_f_one_b
 from ._pipeline_stages import Stages
@@ -51,6 +51,22 @@ def _layer_mask(stages: Stages, model: PyTree) -> list[bool]:
     ids = jax.tree_util.tree_unflatten(treedef, list(range(len(leaves))))
     inside = set(jax.tree.leaves(stages.layers(ids)))
     return [i in inside for i in range(len(leaves))]
+
+
+def _check_experts(model: PyTree, mesh: Mesh, batch_axes: tuple[str, ...]) -> None:
+    """A mixture of experts inside the stages splits its experts over its own axis, which
+    must not be a batch axis: pipeline_step takes no `expert_axis` (the batch is not split
+    over it by the step; each MoE layer splits its micro-batch's sequences over it)."""
+    for where, layer in _moe_layers(model):
+        if layer.axis_name in batch_axes:
+            raise ValueError(
+                f"pipeline_step: the MixtureOfExperts at model{where} splits its experts over "
+                f"{layer.axis_name!r}, which is also a batch axis of the step; pipeline_step takes no "
+                f"expert_axis (expert parallelism that carries data, as hybrid_step's). Leave "
+                f"{layer.axis_name!r} out of batch_axis: each MoE layer then routes its own block of the "
+                f"micro-batch's sequences on each device of {layer.axis_name!r}."
+            )
+    check_experts(model, mesh, "pipeline_step", None, batch_axes)  # experts divisible by the axis
 
 
 def pipeline_specs(stages: Stages, model: PyTree, specs: PyTree, stage_axis: str = "stage") -> PyTree:
@@ -172,8 +188,10 @@ def pipeline_step(
 
     - `ValueError` at once for a mesh without the axes, an unknown schedule, bad
       `microbatches` / `virtual_stages`, or `has_state=True`; when first called, before
-      compiling, if the number of layers is not divisible by `stages * virtual_stages` or
-      the batch by the batch shards times `microbatches`.
+      compiling, if the number of layers is not divisible by `stages * virtual_stages`,
+      the batch by the batch shards times `microbatches`, or a `MixtureOfExperts` splits
+      its experts over a batch axis (there is no `expert_axis` here: an expert axis beside
+      the stage axis splits the experts, each layer routing a block of the sequences).
     """
     who = "pipeline_step"
     if not isinstance(stages, Stages):
@@ -206,6 +224,7 @@ def pipeline_step(
 
     def specs_for(model):
         check_model_axes(model, mesh, who, None, splits_sequences=False)  # before anything compiles
+        _check_experts(model, mesh, batch_axes)
         layers = stages.num_layers(model)
         if layers % (P * virtual_stages):
             raise ValueError(

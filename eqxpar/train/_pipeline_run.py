@@ -70,17 +70,25 @@ def _chunks(model: PyTree, plan: PipelinePlan) -> PyTree:
 
 def stage_pass(model: PyTree, x_in: PyTree, micro_batch: PyTree, mkey: Any, chunk: Array, plan: PipelinePlan):
     """One stage's work on one micro-batch: `first` on the first virtual stage, its chunk of
-    layers, `last` (masked to the last virtual stage). Returns `(x_out, loss_share)`."""
+    layers, `last` (masked to the last virtual stage). Returns `(x_out, loss_share)`; with
+    `Stages.layer_aux`, the share holds this stage's layers' aux as well."""
     s = jax.lax.axis_index(plan.stage_axis)
     r = plan.schedule.virtual_stages
     virtual = chunk * plan.P + s
     x0 = plan.stages.first(model, micro_batch, layer_key(mkey, 0))
     x = jax.tree.map(lambda a, b: jnp.where(virtual == 0, a, b), x0, x_in)
     layers = _pick(_chunks(model, plan), chunk)
-    x = plan.stages.run_layers(layers, x, mkey, virtual * plan.chunk)
+    out = plan.stages.run_layers(layers, x, mkey, virtual * plan.chunk)
+    x, aux = out if plan.stages.layer_aux else (out, None)
     loss = plan.stages.last(model, x, micro_batch, layer_key(mkey, plan.num_layers + 1))
     is_last = virtual == r * plan.P - 1
-    return x, jnp.where(is_last, loss.astype(jnp.float32) * plan.share, 0.0)
+    share = jnp.where(is_last, loss.astype(jnp.float32) * plan.share, 0.0)
+    if aux is None:
+        return x, share
+    # The layers' aux counts on the stage that ran them, with no communication: the step's
+    # psum over the stage axis adds every stage's share as it adds the last stage's loss, and
+    # the schedules' valid-tick masks (and 1F1B's vjp seeds) cover every stage's share.
+    return x, share + aux * plan.share
 
 
 def _varying(x: PyTree, axes: tuple[str, ...]) -> PyTree:

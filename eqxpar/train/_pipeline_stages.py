@@ -50,6 +50,18 @@ def _check_same_activation(x: PyTree, out: PyTree) -> None:
         )
 
 
+def _split_aux(out: Any) -> tuple[PyTree, Any]:
+    """`layer`'s `(x, aux)` under `layer_aux=True`, or a `ValueError` naming the contract."""
+    aux = out[1] if isinstance(out, tuple) and len(out) == 2 else None
+    if aux is None or getattr(aux, "shape", None) != () or not jnp.issubdtype(jnp.result_type(aux), jnp.floating):
+        raise ValueError(
+            f"Stages.layer returned {_describe(out)}, but layer_aux=True asks for a pair (x, aux), aux "
+            f"a float scalar added to the loss: return (x, aux) from layer, or build the Stages with "
+            f"layer_aux=False."
+        )
+    return out[0], aux
+
+
 @dataclasses.dataclass(frozen=True)
 class Stages:
     """A model as a pipeline sees it: a first part, a stack of identical layers, a last part.
@@ -61,6 +73,11 @@ class Stages:
     - `layer(layer, x, key) -> x`: one layer (the node with one slice of every array).
     - `last(model, x, micro_batch, key) -> loss`: e.g. the head and the mean loss over the
       micro-batch; runs on the last stage.
+    - `layer_aux`: with True, `layer` returns `(x, aux)`, `aux` a scalar added to the loss
+      (e.g. a mixture of experts' weighted balancing losses, a mean over the micro-batch as
+      `last`'s loss is). Each stage adds its own layers' `aux` to its share of the loss:
+      nothing more travels between stages (the step already sums the loss over the stage
+      axis), and the gradient of `aux` reaches the earlier stages through `x`.
 
     `first` and `last` may use every array of the model except the stacked layers; `x`
     must have the same shape and dtype after every layer. [`eqxpar.train.Stages.loss`][]
@@ -71,6 +88,11 @@ class Stages:
     layers: Callable[[PyTree], PyTree]
     layer: Callable[..., PyTree]
     last: Callable[..., Array]
+    layer_aux: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.layer_aux, bool):
+            raise ValueError(f"Stages: layer_aux must be True or False, got {self.layer_aux!r}.")
 
     def num_layers(self, model: PyTree) -> int:
         """The length of the stacked layers' leading axis (a `ValueError` if they differ)."""
@@ -86,18 +108,33 @@ class Stages:
 
     def run_layers(self, layers: PyTree, x: PyTree, key: Any, first_index: Any) -> PyTree:
         """Run stacked `layers` in order with `jax.lax.scan`; layer `j` gets the key of
-        global layer `first_index + j`."""
+        global layer `first_index + j`.
+
+        **Returns:**
+
+        The last layer's `x`; with `layer_aux`, `(x, aux)` as `layer` returns, `aux` the
+        layers' `aux` summed in float32.
+        """
         dynamic, static = eqx.partition(layers, eqx.is_array)
         count = jax.tree.leaves(dynamic)[0].shape[0]
 
         def body(x, inputs):
             arrays, j = inputs
             out = self.layer(eqx.combine(arrays, static), x, layer_key(key, 1 + first_index + j))
+            aux = None
+            if self.layer_aux:
+                out, aux = _split_aux(out)
+                aux = jnp.asarray(aux, jnp.float32)
             _check_same_activation(x, out)  # while tracing: before the scan's carry TypeError
-            return out, None
+            return out, aux
 
-        x, _ = jax.lax.scan(body, x, (dynamic, jnp.arange(count)))
-        return x
+        # The layers' aux leave the scan as its outputs (not in the carry: the carry must keep
+        # one type, while the aux varies over the mesh axes x does inside shard_map).
+        x, auxes = jax.lax.scan(body, x, (dynamic, jnp.arange(count)))
+        if not self.layer_aux:
+            return x
+        assert auxes is not None  # one float32 aux per layer
+        return x, jnp.sum(auxes)
 
     def loss(self, model: PyTree, batch: PyTree, key: Any = None) -> Array:
         """The loss on one device, layer after layer: `loss_fn(model, batch, key)` for the
@@ -111,9 +148,12 @@ class Stages:
 
         **Returns:**
 
-        `last(model, layers(...first(model, batch)...), batch)`.
+        `last(model, layers(...first(model, batch)...), batch)`, plus the layers' summed
+        `aux` with `layer_aux`.
         """
         n = self.num_layers(model)
         x = self.first(model, batch, layer_key(key, 0))
-        x = self.run_layers(self.layers(model), x, key, 0)
-        return self.last(model, x, batch, layer_key(key, n + 1))
+        out = self.run_layers(self.layers(model), x, key, 0)
+        x, aux = out if self.layer_aux else (out, None)
+        loss = self.last(model, x, batch, layer_key(key, n + 1))
+        return loss if aux is None else loss + aux
