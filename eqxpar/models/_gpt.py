@@ -22,7 +22,16 @@ from ..nn import (
 )
 from ..nn._attention import ATTENTION_IMPLS
 from ._block import REMAT_CHOICES, Remat, TransformerBlock, remat_wrapper, sequence_dropout, split_keys
-from ._moe_block import MoEBlock, MoEOptions, check_model_axis_size, check_moe, gpt_blocks, moe_aux_loss, run_blocks
+from ._moe_block import (
+    MoEBlock,
+    MoEOptions,
+    check_model_axis_size,
+    check_moe,
+    gpt_blocks,
+    moe_aux_loss,
+    run_blocks,
+    run_stacked_blocks,
+)
 
 __all__ = ["GPT", "next_token_loss"]
 
@@ -266,7 +275,7 @@ class GPT(TensorParallelLayer):
             wrap = remat_wrapper(self.remat)
             if isinstance(self.blocks, StackedLayers):  # self.scan_layers
                 keys = None if key is None else jnp.stack(cast(list[Array], block_keys))
-                x, auxes = self.blocks(x, keys=keys, wrap=wrap, inference=inference, rows=rows, length=length), ()
+                x, auxes = run_stacked_blocks(self.blocks, x, keys, wrap, inference=inference, rows=rows, length=length)
             else:
                 apply = _apply_block if wrap is None else wrap(_apply_block)
                 x, auxes = run_blocks(self.blocks, x, block_keys, apply, inference, rows, length)

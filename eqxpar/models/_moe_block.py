@@ -209,8 +209,9 @@ def check_moe(moe: Any, num_layers: int, scan_layers: bool, sequence_parallel: b
         )
     if scan_layers:
         raise ValueError(
-            "GPT: moe= needs scan_layers=False: MoE blocks and plain blocks differ, and a scan runs one "
-            "block shape. Build the GPT with scan_layers=False."
+            "GPT: moe= needs scan_layers=False when the GPT is built: MoE blocks and plain blocks differ, and "
+            "a scan runs one block shape. Build the GPT with scan_layers=False; with every=1 (all blocks MoE) "
+            "stack it afterwards with eqxpar.models.stack_blocks(model), e.g. for a pipeline."
         )
     if sequence_parallel or attention_impl in ("ring", "all_gather"):
         raise ValueError(
@@ -287,10 +288,42 @@ def moe_aux_loss(model: Any, auxes: Sequence[MoEAux]) -> Float[Array, ""]:
     if moe is None:
         return total
     for aux in auxes:
-        total = total + moe.aux_loss_weight * jnp.mean(aux.load_balance_loss)
-        if moe.z_loss_weight:
-            total = total + moe.z_loss_weight * jnp.mean(aux.z_loss)
+        total = total + weighted_aux(moe, aux)
     return total
+
+
+def weighted_aux(moe: MoEOptions, aux: MoEAux) -> Float[Array, ""]:
+    """One MoE block's term of [`eqxpar.models.moe_aux_loss`][]: `moe.aux_loss_weight`
+    times the mean load-balancing loss plus `moe.z_loss_weight` times the mean z-loss (the
+    means over the routing groups), a float32 scalar."""
+    term = moe.aux_loss_weight * jnp.mean(aux.load_balance_loss)
+    if moe.z_loss_weight:
+        term = term + moe.z_loss_weight * jnp.mean(aux.z_loss)
+    return term
+
+
+def run_stacked_blocks(blocks, x, keys, wrap, **kwargs) -> tuple[Array, tuple[MoEAux, ...]]:
+    """Run a GPT's stacked blocks (an [`eqxpar.nn.StackedLayers`][]) with `jax.lax.scan`:
+    the new residual stream and, for stacked [`eqxpar.models.MoEBlock`][]s (a GPT with
+    `moe=` and `every=1`, stacked by [`eqxpar.models.stack_blocks`][]), each block's aux in
+    order, as [`eqxpar.models.GPT`][]'s loop returns them (empty for plain blocks)."""
+    if not isinstance(blocks.layers, MoEBlock):
+        return blocks(x, keys=keys, wrap=wrap, **kwargs), ()
+    dynamic, static = eqx.partition(blocks.layers, eqx.is_array)
+
+    def apply(block, x, key):
+        return block(x, key=key, **kwargs)
+
+    if wrap is not None:
+        apply = wrap(apply)
+
+    def body(x, arrays_and_key):
+        arrays, key = arrays_and_key
+        return apply(eqx.combine(arrays, static), x, key)
+
+    with jax.named_scope("StackedLayers"):
+        x, stacked = jax.lax.scan(body, x, (dynamic, keys))
+    return x, tuple(jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(blocks.num_layers))
 
 
 def check_model_axis_size(model: TensorParallelLayer, size: int, where: str) -> None:

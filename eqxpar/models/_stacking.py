@@ -20,17 +20,26 @@ def stack_blocks(model: GPT) -> GPT:
 
     **Arguments:**
 
-    - `model`: a GPT with `blocks` a tuple (unchanged if already stacked).
+    - `model`: a GPT with `blocks` a tuple (unchanged if already stacked). A GPT with
+      `moe=` stacks when every block is an [`eqxpar.models.MoEBlock`][] (`every=1`); its
+      call then scans them and returns their auxes as the loop does.
 
     **Returns:**
 
     The GPT with `blocks` an [`eqxpar.nn.StackedLayers`][].
+
+    **Raises:**
+
+    - `ValueError` for a GPT with `moe=` and `every > 1` (two kinds of block).
     """
     if isinstance(model.blocks, StackedLayers):  # model.scan_layers
         return model
-    if getattr(model, "moe", None) is not None:
+    moe = getattr(model, "moe", None)
+    if moe is not None and moe.every > 1:
         raise ValueError(
-            "stack_blocks: a GPT with moe= mixes two kinds of block, which cannot be stacked; keep the loop."
+            f"stack_blocks: a GPT with moe= mixes two kinds of block when moe.every={moe.every} (MoE blocks "
+            f"between plain ones), which cannot be stacked: keep the loop, or build the GPT with "
+            f"MoEOptions(every=1) so that every block is an MoE block."
         )
     return eqx.tree_at(lambda m: m.blocks, model, StackedLayers(model.blocks, axis_name=model.axis_name))
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..train import Stages
 from ._gpt import embed_tokens, head_logits, mean_cross_entropy
+from ._moe_block import MoEOptions, weighted_aux
 
 __all__ = ["gpt_stages"]
 
 
-def gpt_stages() -> Stages:
+def gpt_stages(model: Any = None) -> Stages:
     """The [`eqxpar.train.Stages`][] of an [`eqxpar.models.GPT`][] built with
     `scan_layers=True` (or converted with [`eqxpar.models.stack_blocks`][]), whose batch
     is `(batch, seq + 1)` token ids: the embeddings (token and position, with dropout)
@@ -19,10 +22,32 @@ def gpt_stages() -> Stages:
     is then the one-device reference, not the GPT's own call, which splits its key
     differently).
 
+    **Mixture of experts.** A GPT with `moe=` and `every=1` (every block an
+    [`eqxpar.models.MoEBlock`][]), stacked with `stack_blocks`, is pipelined with
+    `gpt_stages(model)`: the Stages have `layer_aux=True`, each block returning its term of
+    [`eqxpar.models.moe_aux_loss`][] (the weighted mean load-balancing and z-losses over
+    the micro-batch's sequences), which each stage adds to its share of the loss, so the
+    pipeline's loss is the GPT's `next_token_loss`. Each sequence is one routing group, so
+    micro-batches change no routing. The experts stay whole on every device of a stage
+    (no expert axis inside the stages).
+
+    **Arguments:**
+
+    - `model`: the GPT, needed only for one with `moe=` (its options weight the auxiliary
+      losses); the Stages then take GPTs with the same `moe` options.
+
     **Returns:**
 
     The `Stages`, for [`eqxpar.train.pipeline_step`][].
+
+    **Raises:**
+
+    (When the pipeline step first sees the model, before anything compiles.)
+
+    - `ValueError` for unstacked blocks; for a GPT with `moe=` and `every > 1` (MoE blocks
+      between plain ones do not stack) or with other `moe` options than the `model` given.
     """
+    moe: MoEOptions | None = getattr(model, "moe", None)
 
     def first(model, tokens, key):
         return embed_tokens(model, tokens[..., :-1], key=key, inference=key is None)
@@ -30,15 +55,24 @@ def gpt_stages() -> Stages:
     def layer(block, x, key):
         return block(x, key=key, inference=key is None)
 
+    def moe_layer(block, x, key):
+        x, aux = block(x, key=key, inference=key is None)
+        assert moe is not None  # only with moe
+        return x, weighted_aux(moe, aux)
+
     def last(model, x, tokens, key):
         return mean_cross_entropy(model, head_logits(model, x), tokens[..., 1:])
 
+    _check_every(moe)
+
     def layers(model):
-        if getattr(model, "moe", None) is not None:
+        given = getattr(model, "moe", None)
+        _check_every(given)
+        if given != moe:
+            made = "gpt_stages()" if moe is None else f"gpt_stages(model) of a GPT with moe={moe}"
             raise ValueError(
-                "gpt_stages: a GPT with moe= cannot be pipelined yet (its blocks return routing "
-                "statistics and auxiliary losses that the pipeline does not carry); train it with "
-                "data, expert and model axes (eqxpar.train.hybrid_step(..., expert_axis=...))."
+                f"gpt_stages: these Stages were made by {made}, but the GPT has moe={given}; the auxiliary "
+                f"losses are weighted by the GPT's moe options: build them with gpt_stages(model) for this model."
             )
         if not model.scan_layers:
             raise ValueError(
@@ -47,4 +81,16 @@ def gpt_stages() -> Stages:
             )
         return model.blocks.layers
 
-    return Stages(first=first, layers=layers, layer=layer, last=last)
+    if moe is None:
+        return Stages(first=first, layers=layers, layer=layer, last=last)
+    return Stages(first=first, layers=layers, layer=moe_layer, last=last, layer_aux=True)
+
+
+def _check_every(moe: MoEOptions | None) -> None:
+    if moe is not None and moe.every > 1:
+        raise ValueError(
+            f"gpt_stages: a GPT with moe= cannot be pipelined yet with moe.every={moe.every}: MoE blocks "
+            f"between plain blocks do not stack. Build it with MoEOptions(every=1) (every block MoE) and "
+            f"stack it with eqxpar.models.stack_blocks, or train it with data, expert and model axes "
+            f"(eqxpar.train.hybrid_step(..., expert_axis=...))."
+        )
