@@ -77,6 +77,7 @@ EXIT_PREEMPTED = 143
 
 _SEEN_DIR = "eqxpar/failure_seen/"  # each survivor confirms it read the failure (for process 0)
 _FINISHED_DIR = "eqxpar/finished/"  # each process that reached the end of its script
+_LEAVING_DIR = "eqxpar/leaving/"  # each failing process, just before it exits (for process 0)
 
 
 def _bounded(fn: Callable[[], Any], timeout_s: float) -> tuple[bool, Any]:
@@ -179,8 +180,26 @@ class _FailFast:
                 os._exit(EXIT_PEER_FAILED)
             if self.pid == 0:  # the others read the failure from our coordination service
                 self._wait_until_seen(3.0)
-            _flush()
-            os._exit(status)
+            self._leave(status)
+
+    def _leave(self, status: int) -> None:
+        """`os._exit(status)` of a failing process, announced first to process 0: its exit
+        ends the coordination service, and a process that loses the service while on its own
+        way out is aborted by JAX (SIGABRT) instead of leaving with its status."""
+        _flush()
+        if self.pid != 0:
+            _bounded(lambda: self.client.key_value_set(f"{_LEAVING_DIR}{self.pid}", str(status)), 2.0)
+        os._exit(status)
+
+    def _wait_until_left(self, timeout_s: float) -> None:
+        """Process 0, stopping for another's failure: wait until the failing process is on
+        its way out (see `_leave`)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            ok, leaving = _bounded(lambda: self.client.key_value_dir_get(_LEAVING_DIR), 1.0)
+            if not ok or leaving:
+                return
+            time.sleep(0.05)
 
     def _record(self, text: str) -> str | None:
         """Record our failure; return the failure recorded earlier by another process, if any."""
@@ -236,8 +255,7 @@ class _FailFast:
             self._say(message)
             if self.pid == 0 or wait_all:
                 self._wait_until_seen(5.0 if wait_all else 3.0)
-            _flush()
-            os._exit(status)
+            self._leave(status)
 
     def _peer_failed(self, message: str) -> None:
         with self.lock:
@@ -248,6 +266,8 @@ class _FailFast:
                 dump_stacks(self.tag)
             _bounded(lambda: self.client.key_value_set(f"{_SEEN_DIR}{self.pid}", "1"), 2.0)
             self._say(f"{self.tag} stops because {message}. Exiting with status {EXIT_PEER_FAILED}.")
+            if self.pid == 0:
+                self._wait_until_left(5.0)
             os._exit(EXIT_PEER_FAILED)
 
     def watch(self) -> None:
@@ -311,7 +331,7 @@ class _FailFast:
                         _bounded(lambda reason=reason: self._record(reason), 5.0)
                         if self.pid == 0:
                             self._wait_until_seen(3.0)
-                        os._exit(130)
+                        self._leave(130)
 
     # --- this process reached the end of its script ---------------------------------------------
 
@@ -348,7 +368,7 @@ class _FailFast:
             self._say(f"eqxpar: {reason}. Ending the job: exiting with status 1.")
             if self.pid == 0:
                 self._wait_until_seen(3.0)
-            os._exit(1)
+            self._leave(1)
 
     def exit(self, status: Any = None) -> None:
         """`sys.exit`, remembering the status for `at_exit` (no other hook sees it)."""

@@ -348,8 +348,11 @@ def launch(
     finally:
         preempted = interrupted[:1] == [signal.SIGTERM] and cause is None
         _stop(procs, max(grace_s, term_grace_s) if preempted else grace_s)
+        # Every rank has exited: the copies end at their pipes' end, once they have written
+        # all a rank printed last (under load that can take seconds). The timeout is for a
+        # rank's child process that still holds the pipe open.
         for c in copies:
-            c.thread.join(timeout=2.0)
+            c.thread.join(timeout=15.0)
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)
     if cause is not None:
