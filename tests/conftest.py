@@ -5,7 +5,21 @@ two cores: compiles dominate, so strategies draw from small sets of shapes).
 `HYPOTHESIS_PROFILE=thorough make test` draws many more examples with fresh randomness.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
+
+# One persistent compilation cache for the whole run: both xdist workers and every process a
+# test starts (recipes, `eqxpar.launch` jobs) inherit this variable, so a program compiled
+# once (the same recipe run whole, then half and resumed; the same shapes drawn by two
+# properties) is read back instead of compiled again. Made by the first process (pytest
+# itself, before its workers start), empty at the start of each run and removed at its end.
+# A cached program is the same executable: results are bit for bit those of a fresh compile.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ and "PYTEST_XDIST_WORKER" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="eqxpar-tests-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 import eqxpar
 
