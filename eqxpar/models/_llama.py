@@ -113,8 +113,9 @@ class Llama(TensorParallelLayer):
         - `moe`: an [`eqxpar.models.MoEOptions`][] to put a mixture of experts in place of
           the MLP of every `moe.every`-th layer (an [`eqxpar.models.LlamaMoEBlock`][],
           Mixtral-style), or None. Needs `scan_layers=False`; train it with
-          `expert_axis=moe.expert_axis` in the step builder. (`eqxpar.models.save_hf` and
-          `load_hf` know the dense Llama only.)
+          `expert_axis=moe.expert_axis` in the step builder. [`eqxpar.models.load_hf`][]
+          reads a Hugging Face Mixtral folder into this form (`every=1`, softmax scores,
+          renormalised top-k) and [`eqxpar.models.save_hf`][] writes it back.
         - `sequence_parallel`: split the residual stream along the sequence over the model
           axis (see above).
         - `attention_impl`: `"dot_product"` (whole sequences on each device; cuDNN's fused
