@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import signal
 import socket
 import sys
 import threading
@@ -62,6 +61,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ._compat import distributed_client
+from ._failfast_calls import bounded, flush
+from ._failfast_finish import wait_for_all_finished
+from ._failfast_interrupt import start_interrupt_watch
 
 __all__ = ["install_fail_fast", "EXIT_PEER_FAILED", "EXIT_PREEMPTED", "FAILURE_KEY"]
 
@@ -76,30 +78,7 @@ EXIT_PREEMPTED = 143
 128 + SIGTERM, as if the signal had ended it. Every process exits with it at the same step."""
 
 _SEEN_DIR = "eqxpar/failure_seen/"  # each survivor confirms it read the failure (for process 0)
-_FINISHED_DIR = "eqxpar/finished/"  # each process that reached the end of its script
 _LEAVING_DIR = "eqxpar/leaving/"  # each failing process, just before it exits (for process 0)
-
-
-def _bounded(fn: Callable[[], Any], timeout_s: float) -> tuple[bool, Any]:
-    """Run `fn` on a helper thread; (finished, result or exception) within `timeout_s`.
-
-    A call to a coordination service that has died may block; a failing process must not.
-    """
-    result: list[tuple[bool, Any]] = []
-
-    def run():
-        try:
-            result.append((True, fn()))
-        except BaseException as e:  # reported to the caller
-            result.append((False, e))
-
-    thread = threading.Thread(target=run, name="eqxpar-failfast-call", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if not result:
-        return False, TimeoutError(f"no answer within {timeout_s:g} s")
-    ok, value = result[0]
-    return ok, value
 
 
 def _summary(exc_type: type, exc: BaseException | None) -> str:
@@ -107,14 +86,6 @@ def _summary(exc_type: type, exc: BaseException | None) -> str:
     text = "".join(traceback.format_exception_only(exc_type, exc)).strip()
     first = text.splitlines()[0] if text else exc_type.__name__
     return first if len(first) <= 300 else first[:297] + "..."
-
-
-def _flush() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # a closed stream must not stop the exit
-            pass
 
 
 class _FailFast:
@@ -143,12 +114,12 @@ class _FailFast:
         self.thread: threading.Thread | None = None
 
     def _say(self, message: str) -> None:
-        _flush()
+        flush()
         try:
             sys.stderr.write(message + "\n")
         except Exception:
             pass
-        _flush()
+        flush()
 
     # --- this process failed -----------------------------------------------------------------
 
@@ -171,7 +142,7 @@ class _FailFast:
                 f"{self.tag} failed: {summary}{hint}. Exiting now instead of waiting for the "
                 f"other processes at JAX's shutdown barrier; they stop too."
             )
-            ok, earlier = _bounded(lambda: self._record(f"process {self.pid} failed: {summary}"), 5.0)
+            ok, earlier = bounded(lambda: self._record(f"process {self.pid} failed: {summary}"), 5.0)
             if ok and earlier:
                 self._say(
                     f"{self.tag}: this is probably a consequence of an earlier failure: "
@@ -186,9 +157,9 @@ class _FailFast:
         """`os._exit(status)` of a failing process, announced first to process 0: its exit
         ends the coordination service, and a process that loses the service while on its own
         way out is aborted by JAX (SIGABRT) instead of leaving with its status."""
-        _flush()
+        flush()
         if self.pid != 0:
-            _bounded(lambda: self.client.key_value_set(f"{_LEAVING_DIR}{self.pid}", str(status)), 2.0)
+            bounded(lambda: self.client.key_value_set(f"{_LEAVING_DIR}{self.pid}", str(status)), 2.0)
         os._exit(status)
 
     def _wait_until_left(self, timeout_s: float) -> None:
@@ -196,7 +167,7 @@ class _FailFast:
         its way out (see `_leave`)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            ok, leaving = _bounded(lambda: self.client.key_value_dir_get(_LEAVING_DIR), 1.0)
+            ok, leaving = bounded(lambda: self.client.key_value_dir_get(_LEAVING_DIR), 1.0)
             if not ok or leaving:
                 return
             time.sleep(0.05)
@@ -214,7 +185,7 @@ class _FailFast:
     def _wait_until_seen(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            ok, seen = _bounded(lambda: self.client.key_value_dir_get(_SEEN_DIR), 1.0)
+            ok, seen = bounded(lambda: self.client.key_value_dir_get(_SEEN_DIR), 1.0)
             if not ok or len(seen) >= self.count - 1:
                 return
             time.sleep(0.05)
@@ -248,7 +219,7 @@ class _FailFast:
         only 0, waits until the others read it (the stalled-job case: they print where
         they wait before our exit breaks their collectives and moves their main threads)."""
         with self.lock:
-            ok, earlier = _bounded(lambda reason=reason: self._record(reason), 5.0)
+            ok, earlier = bounded(lambda reason=reason: self._record(reason), 5.0)
             if ok and earlier:
                 self._say(f"{self.tag} stops because {earlier}. Exiting with status {EXIT_PEER_FAILED}.")
                 os._exit(EXIT_PEER_FAILED)
@@ -264,7 +235,7 @@ class _FailFast:
 
             if STALL_MARK in message:  # a stalled job: where this process waits matters too
                 dump_stacks(self.tag)
-            _bounded(lambda: self.client.key_value_set(f"{_SEEN_DIR}{self.pid}", "1"), 2.0)
+            bounded(lambda: self.client.key_value_set(f"{_SEEN_DIR}{self.pid}", "1"), 2.0)
             self._say(f"{self.tag} stops because {message}. Exiting with status {EXIT_PEER_FAILED}.")
             if self.pid == 0:
                 self._wait_until_left(5.0)
@@ -300,71 +271,25 @@ class _FailFast:
 
     # --- Ctrl-C while the main thread is blocked -------------------------------------------------
 
-    def watch_interrupts(self, wakeup: socket.socket) -> None:
-        """SIGINT reaches Python code only when the main thread runs Python, never while it is
-        blocked in a collective. Python's C-level handler still writes the signal number to
-        the wakeup socket: after a first Ctrl-C that changed nothing, a second one ends the job."""
-        interrupts = 0
-        hinted = False
-        while True:
-            try:
-                data = wakeup.recv(64)
-            except TimeoutError:
-                if interrupts == 1 and not hinted:
-                    hinted = True
-                    self._say(
-                        f"{self.tag} received SIGINT but its main thread has not stopped (it is "
-                        f"probably blocked in a collective): press Ctrl-C again to end the job."
-                    )
-                continue
-            except OSError:
-                return
-            if not data:
-                return
-            if signal.SIGINT in data:
-                interrupts += 1
-                wakeup.settimeout(3.0)
-                if interrupts >= 2:
-                    with self.lock:
-                        reason = f"process {self.pid} was interrupted (SIGINT twice)"
-                        self._say(f"{self.tag}: interrupted (SIGINT twice); ending the whole job.")
-                        _bounded(lambda reason=reason: self._record(reason), 5.0)
-                        if self.pid == 0:
-                            self._wait_until_seen(3.0)
-                        self._leave(130)
+    def _interrupted(self) -> None:
+        """A second Ctrl-C while the main thread is blocked (`eqxpar/_failfast_interrupt.py`)."""
+        with self.lock:
+            reason = f"process {self.pid} was interrupted (SIGINT twice)"
+            self._say(f"{self.tag}: interrupted (SIGINT twice); ending the whole job.")
+            bounded(lambda reason=reason: self._record(reason), 5.0)
+            if self.pid == 0:
+                self._wait_until_seen(3.0)
+            self._leave(130)
 
     # --- this process reached the end of its script ---------------------------------------------
 
     def _finish_together(self) -> None:
         """Wait, watched, until every process finished; if one never does, end the job."""
-        ok, _ = _bounded(lambda: self.client.key_value_set(f"{_FINISHED_DIR}{self.pid}", "1"), 5.0)
-        if not ok:
-            return  # no coordination service: leave the rest to JAX
-        start = time.monotonic()
-        last_answer = start
-        done: set[int] = set()
-        while True:
-            ok, entries = _bounded(lambda: self.client.key_value_dir_get(_FINISHED_DIR), 5.0)
-            now = time.monotonic()
-            if ok:
-                last_answer = now
-                done = {int(key.rsplit("/", 1)[-1]) for key, _ in entries}
-                if len(done) >= self.count:
-                    return
-            elif now - last_answer > self.lost_after_s:
-                return  # the coordination service is gone: leave the rest to JAX
-            if now - start > self.finish_timeout_s:
-                break
-            time.sleep(0.2)
-        missing = ", ".join(str(p) for p in range(self.count) if p not in done)
-        reason = (
-            f"process {self.pid} finished its script {self.finish_timeout_s:g} s ago but "
-            f"process(es) {missing} did not: they probably wait in a collective that process "
-            f"{self.pid} skipped (every process must run the same collectives; a process that "
-            f"runs out of data should raise, not exit), or they hang"
-        )
+        reason = wait_for_all_finished(self.client, self.pid, self.count, self.lost_after_s, self.finish_timeout_s)
+        if reason is None:
+            return
         with self.lock:
-            _bounded(lambda reason=reason: self._record(reason), 5.0)
+            bounded(lambda reason=reason: self._record(reason), 5.0)
             self._say(f"eqxpar: {reason}. Ending the job: exiting with status 1.")
             if self.pid == 0:
                 self._wait_until_seen(3.0)
@@ -449,20 +374,7 @@ def install_fail_fast(
     state.thread = threading.Thread(target=state.watch, name="eqxpar-failure-watchdog", daemon=True)
     state.thread.start()
     if threading.current_thread() is threading.main_thread():
-        reader, writer = socket.socketpair()
-        writer.setblocking(False)
-        try:
-            previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-        except (ValueError, OSError):
-            previous = None
-        if previous == -1:  # nobody else (asyncio, ...) uses the wakeup fd
-            state.wakeup = (reader, writer)  # kept alive with the state
-            threading.Thread(
-                target=state.watch_interrupts, args=(reader,), name="eqxpar-interrupt-watch", daemon=True
-            ).start()
-        else:
-            if previous is not None:
-                signal.set_wakeup_fd(previous)
-            reader.close()
-            writer.close()
+        wakeup = start_interrupt_watch(state._say, state.tag, state._interrupted)
+        if wakeup is not None:
+            state.wakeup = wakeup  # kept alive with the state
     _installed.append(state)

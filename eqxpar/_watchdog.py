@@ -30,7 +30,8 @@ import traceback
 
 import jax
 
-from ._failfast import _flush, _installed
+from ._failfast import _installed
+from ._failfast_calls import flush
 
 __all__ = ["Watchdog", "STALL_MARK", "dump_stacks"]
 
@@ -62,7 +63,7 @@ def dump_stacks(tag: str) -> None:
 
 
 def _write_stacks(tag: str) -> None:
-    _flush()
+    flush()
     frames = sys._current_frames()
     main_id = threading.main_thread().ident
     main = None if main_id is None else frames.get(main_id)
@@ -72,13 +73,13 @@ def _write_stacks(tag: str) -> None:
         where = f"{innermost.name} ({innermost.filename}:{innermost.lineno}){line}"
         sys.stderr.write(f"{tag}: its main thread waits in {where}\n")
     sys.stderr.write(f"{tag}: the Python stack of every thread (most recent call first):\n")
-    _flush()
+    flush()
     try:
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
     except (ValueError, OSError, AttributeError):  # no usable file descriptor: format it ourselves
         for ident, frame in frames.items():
             sys.stderr.write(f"Thread {ident:#x}:\n" + "".join(traceback.format_stack(frame)))
-    _flush()
+    flush()
 
 
 class Watchdog:
@@ -186,5 +187,5 @@ class Watchdog:
             f"{tag}: watchdog: ending the process with status 1. If steps are "
             f"legitimately this slow, raise the timeout (--watchdog-s).\n"
         )
-        _flush()
+        flush()
         os._exit(1)

@@ -20,8 +20,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "eqxpar"
 
 # Bottom to top. A module belongs to the first part whose name equals it or is a prefix of
-# it followed by a dot (`eqxpar.nn` holds `eqxpar.nn._linear`). The package itself
-# (`eqxpar/__init__.py`, which re-exports from every layer) is the top.
+# it followed by a dot (`eqxpar.nn` holds `eqxpar.nn._linear`); a private top-level module
+# split off a top-level part belongs to it too: `eqxpar._failfast` holds
+# `eqxpar._failfast_finish`, `eqxpar.launch` holds `eqxpar._launch_output` (see `part_of`).
+# The package itself (`eqxpar/__init__.py`, which re-exports from every layer) is the top.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "1. placement",
@@ -101,6 +103,11 @@ def part_of(module: str) -> str:
     for _, parts in LAYERS:
         for part in parts:
             if module == part or (part != "eqxpar" and module.startswith(part + ".")):
+                return part
+    for _, parts in LAYERS:  # split off a top-level part: `eqxpar._<part>_<concern>`
+        for part in parts:
+            stem = part.removeprefix("eqxpar.").lstrip("_")
+            if part.count(".") == 1 and module.startswith(f"eqxpar._{stem}_"):
                 return part
     raise KeyError(f"{module} is in no layer of docs/figures/architecture.py's LAYERS")
 
@@ -236,11 +243,15 @@ def _positions(edges: set[tuple[str, str]], width: float, band: float) -> dict[s
 
 
 def _label(part: str, package: pathlib.Path = PACKAGE) -> str:
-    """`eqxpar.nn` -> `nn/`, `eqxpar._mesh` -> `_mesh.py`, `eqxpar` -> `__init__.py`."""
+    """`eqxpar.nn` -> `nn/`, `eqxpar._mesh` -> `_mesh.py`, `eqxpar` -> `__init__.py`; a file
+    with private modules split off it (`part_of`) says how many: `_failfast.py +3`."""
     if part == "eqxpar":
         return "__init__.py"
     path = package.parent / pathlib.Path(*part.split("."))
-    return path.name + "/" if path.is_dir() else path.name + ".py"
+    if path.is_dir():
+        return path.name + "/"
+    split_off = len(list(package.glob(f"_{path.name.lstrip('_')}_*.py")))
+    return path.name + ".py" + (f" +{split_off}" if split_off else "")
 
 
 if __name__ == "__main__":
