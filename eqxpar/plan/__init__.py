@@ -14,7 +14,9 @@ from ._abstract import AXES
 from ._candidates import REMATS, Layout
 from ._cluster import PRESETS, Cluster, Link, cluster
 from ._plan import Plan, plan, table
-from ._predict import RING_FACTORS, Memory, StepTime
+from ._predict_comm import RING_FACTORS
+from ._predict_memory import Memory
+from ._predict_time import StepTime
 from ._validate import Validation, validate, validation_table
 
 __all__ = [

@@ -25,7 +25,9 @@ from ..nn import partition_specs
 from ..train import pipeline_specs
 from ._abstract import AXES
 from ._candidates import Layout
-from ._predict import WORKING_SET_BLOCKS, Memory, block_bytes, flops_per_token, optimizer_layout
+from ._predict import block_bytes, optimizer_layout
+from ._predict_memory import WORKING_SET_BLOCKS, Memory
+from ._predict_time import flops_per_token
 
 BATCH_AXES = ("data", "fsdp")
 

@@ -18,7 +18,10 @@ from ._abstract import AXES, abstract_gpt, abstract_mesh
 from ._build import build_batch, build_mesh, build_model, build_step
 from ._candidates import REMATS, Layout, clear_checks, layouts, no_layout_message, pipeline_variants, rule_out
 from ._cluster import Cluster
-from ._predict import Memory, StepTime, clear_caches, comm_theory, flops_per_device, layout_specs, memory, step_time
+from ._predict import clear_caches, layout_specs
+from ._predict_comm import comm_theory
+from ._predict_memory import Memory, memory
+from ._predict_time import StepTime, flops_per_device, step_time
 
 GB = 1e9
 

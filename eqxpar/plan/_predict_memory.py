@@ -1,0 +1,140 @@
+"""Bytes per device of a layout's step: parameters and optimizer state (exact), saved
+activations (the GPT's activation theory) and temporaries (an estimate; see `_predict.py`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, PartitionSpec
+
+from ..models import GPT, gpt_activation_theory
+from ._candidates import Layout
+from ._predict import BATCH_AXES, attention_of, block_bytes, optimizer_layout
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Predicted bytes per device: `parameters` and `optimizer_state` (exact: the blocks
+    their specs give), `saved_activations` (the GPT's activation theory: exact for
+    `block`/`save_matmuls`, a lower bound for `none`), `temporaries` (an estimate: see
+    [`eqxpar.plan.plan`][])."""
+
+    parameters: int
+    optimizer_state: int
+    saved_activations: int
+    temporaries: int
+    saved_per_block: int = 0
+    """Of `saved_activations`, what one more block adds (exact for `block`/`save_matmuls`
+    outside FSDP: see [`eqxpar.models.gpt_activation_theory`][])."""
+
+    @property
+    def state(self) -> int:
+        return self.parameters + self.optimizer_state
+
+    @property
+    def peak(self) -> int:
+        return self.parameters + self.optimizer_state + self.saved_activations + self.temporaries
+
+
+def memory(
+    gpt: GPT,
+    mesh: Mesh,
+    layout: Layout,
+    specs: Any,
+    optimizer: optax.GradientTransformation,
+    batch: int,
+    seq: int,
+    dtype: Any,
+    fused_attention: bool = False,
+) -> Memory:
+    """Bytes per device of the layout's step (see [`eqxpar.plan.Memory`][])."""
+    sizes = layout.sizes
+    params = block_bytes(gpt, specs, sizes)
+    opt_shapes, opt_specs = optimizer_layout(gpt, optimizer, specs)
+    opt = block_bytes(opt_shapes, opt_specs, sizes, floating_only=False)
+    context_axis = "context" if layout.context > 1 else None
+    activations = gpt_activation_theory(
+        gpt, mesh, batch, seq, batch_axis=BATCH_AXES, context_axis=context_axis, dtype=dtype
+    )
+    saved, per_block = activations.total, activations.per_block
+    if fused_attention and layout.remat == "none" and layout.attention == "dot_product":
+        # A fused kernel (cuDNN's flash attention) keeps its float32 log-sum-exp per query,
+        # not the probabilities the theory counts for XLA's attention.
+        block = attention_of(gpt)
+        tokens = batch // layout.batch_shards * seq
+        probabilities = sum(t.nbytes for t in activations.terms if t.what == "attention probabilities")
+        per_block += tokens * (block.num_heads // layout.model) * 4 - probabilities
+        saved += gpt.num_layers * (tokens * (block.num_heads // layout.model) * 4 - probabilities)
+    weights = 0
+    if layout.fsdp > 1 and layout.remat != "none":
+        # Under FSDP each block's backward pass reads its gathered weights: autodiff keeps
+        # them with the block's residuals (the same buffers the temporaries count as the
+        # gathered parameters, so they move from there to here).
+        weights = _gathered_block_weights(gpt, specs, layout.sizes)
+        per_block += weights
+        saved += gpt.num_layers * weights
+    temporaries = _temporaries(gpt, layout, specs, params, activations, dtype, batch, seq)
+    return Memory(params, opt, saved, temporaries - gpt.num_layers * weights, per_block)
+
+
+# The blocks' parameters a block's backward pass does not read (each only shifts an output
+# whose gradient is the incoming one): what autodiff does not keep from the gathered weights.
+UNREAD_BIASES = (
+    ".attention.query_proj.bias",
+    ".attention.key_proj.bias",
+    ".attention.value_proj.bias",
+    ".attention.output_proj.bias",
+    ".mlp.output.bias",
+)
+
+
+def _gathered_block_weights(gpt: GPT, specs: Any, sizes: dict[str, int]) -> int:
+    """Bytes of one block's gathered weights (its model-axis blocks) that its backward pass
+    reads: every array of the block but `UNREAD_BIASES`."""
+    whole = {**sizes, "fsdp": 1}
+    paths = jax.tree_util.tree_leaves_with_path(gpt.blocks)
+    spec_leaves = jax.tree.leaves(specs.blocks, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    total = 0
+    for (path, leaf), spec in zip(paths, spec_leaves, strict=True):
+        name = jax.tree_util.keystr(path)
+        if not hasattr(leaf, "dtype") or not np.issubdtype(leaf.dtype, np.inexact) or name.endswith(UNREAD_BIASES):
+            continue
+        entries = tuple(spec) + (None,) * (leaf.ndim - len(spec))
+        shape = [
+            size // math.prod(whole[a] for a in (() if e is None else (e,) if isinstance(e, str) else e))
+            for size, e in zip(leaf.shape, entries)
+        ]
+        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+    return total // gpt.num_layers
+
+
+# The estimate of XLA's temporaries, calibrated on measured steps (docs/concepts/planner.md):
+# the gradients (one copy of this device's parameter blocks), the parameters cast to the
+# compute dtype when it differs, under FSDP the gathered parameters and their gradient
+# before the reduce-scatter (the model-axis blocks, in the parameters' dtype), one float32
+# buffer of the logits (this device's tokens times its vocabulary block: the
+# cross-entropy's working set) and the working set of the block being computed, taken as
+# WORKING_SET_BLOCKS blocks' saved activations.
+WORKING_SET_BLOCKS = 2
+
+
+def _temporaries(
+    gpt: GPT, layout: Layout, specs: Any, params: int, activations: Any, dtype: Any, batch: int, seq: int
+) -> int:
+    sizes = layout.sizes
+    param_dtype = gpt.position_embedding.weight.dtype
+    total = params  # gradients
+    if np.dtype(dtype) != np.dtype(param_dtype):
+        total += block_bytes(gpt, specs, sizes, dtype=dtype)
+    if layout.fsdp > 1:
+        # The gathered parameters, and their gradient whole before its reduce-scatter.
+        total += 2 * block_bytes(gpt, specs, {**sizes, "fsdp": 1}) - params
+    tokens = batch // layout.batch_shards * (seq // layout.context)
+    total += tokens * (gpt.padded_vocab_size // layout.model) * 4
+    total += WORKING_SET_BLOCKS * activations.per_block
+    return int(total)
