@@ -33,7 +33,9 @@ from .._specs import (
     spec_axes,
 )
 from ..nn import partition_specs
-from ._checks import _moe_layers, check_batch_divides, check_builder, check_experts, check_model_axes
+from ._checks import check_batch_divides, check_builder
+from ._checks_experts import check_experts, moe_layers
+from ._checks_model import check_model_axes
 from ._gradients import leaf_plans, whole_leaf
 from ._pipeline_run import PipelinePlan, gpipe_loss, one_f_one_b
 from ._pipeline_stages import Stages
@@ -57,7 +59,7 @@ def _check_experts(model: PyTree, mesh: Mesh, batch_axes: tuple[str, ...]) -> No
     """A mixture of experts inside the stages splits its experts over its own axis, which
     must not be a batch axis: pipeline_step takes no `expert_axis` (the batch is not split
     over it by the step; each MoE layer splits its micro-batch's sequences over it)."""
-    for where, layer in _moe_layers(model):
+    for where, layer in moe_layers(model):
         if layer.axis_name in batch_axes:
             raise ValueError(
                 f"pipeline_step: the MixtureOfExperts at model{where} splits its experts over "

@@ -16,7 +16,7 @@ from jaxtyping import PyTree
 
 from .._sharding import shard
 from .._specs import path_str
-from ._checks import check_optimizer_fits
+from ._checks_optimizer import check_optimizer_fits
 from ._placement import optimizer_specs
 from ._saved import recording_saved_activations
 

@@ -20,17 +20,9 @@ from jaxtyping import Array, Float, PyTree
 
 from .._shard_map import filter_shard_map
 from .._specs import AxisNames, axis_names, full_specs, is_spec, spec_axes
-from ._checks import (
-    check_batch_divides,
-    check_batch_norms,
-    check_builder,
-    check_experts,
-    check_model_axes,
-    check_sequence_divides,
-    check_units,
-    context_split,
-    expert_batch_axes,
-)
+from ._checks import check_batch_divides, check_builder, check_sequence_divides, context_split
+from ._checks_experts import check_experts, expert_batch_axes
+from ._checks_model import check_batch_norms, check_model_axes, check_units
 from ._gradients import leaf_plans, per_device_gradients
 from ._placement import constrain_to_specs, optimizer_specs
 from ._precision import Precision
