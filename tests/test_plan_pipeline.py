@@ -11,6 +11,7 @@ a 1F1B plan and checks its bytes exactly); `HYPOTHESIS_PROFILE=thorough` compile
 every pipeline candidate of a 4-block GPT, and one of an 8-block GPT on 4 stages
 (circular with fewer chunks than stages: XLA's interleave adds collective-permutes)."""
 
+import dataclasses
 import functools
 
 import jax.numpy as jnp
@@ -22,6 +23,8 @@ from test_plan import PAD, VOCAB, cpu_cluster
 import eqxpar.plan
 from eqxpar.models import GPTConfig
 from eqxpar.plan import _pipeline
+from eqxpar.plan._abstract import abstract_gpt
+from eqxpar.plan._predict_time import flops_per_token
 from eqxpar.train import bubble_theory, make_schedule, stage_boundary_bytes
 
 BATCH = 8
@@ -158,3 +161,22 @@ def test_the_planners_closed_forms_are_the_schedules_tables(schedule, stages, gr
     assert stage_boundary_bytes(table, 3) == 3 * (forward + backward)
     if schedule == "1f1b":
         assert _pipeline.in_flight(layout) == table.max_in_flight()
+
+
+def test_every_chunk_tick_runs_the_head():
+    """`stage_pass` runs the embedding, head and loss on every chunk a device passes (masked
+    where it is not the first or last): with `r` chunks per device that is `r` times per
+    micro-batch, so a circular plan costs `3 (r - 1)` head forwards per token more than
+    GPipe with the same stages and micro-batches; the blocks' share is the same."""
+    gpt = abstract_gpt(
+        FOUR, VOCAB, remat="none", sequence_parallel=False, attention_impl="dot_product", pad_vocab_to_multiple_of=PAD
+    )
+    _, _, _, head_forward = flops_per_token(gpt, FOUR.context)
+    tokens = BATCH // 2 * FOUR.context  # data=2
+    gpipe = eqxpar.plan.Layout(2, 1, 1, 1, "none", False, "dot_product", 2, "gpipe", 2, 1)
+    for r in (2, 4):
+        circular = dataclasses.replace(gpipe, schedule="circular", virtual_stages=r)
+        extra = _pipeline.pipeline_flops(gpt, circular, BATCH, FOUR.context) - _pipeline.pipeline_flops(
+            gpt, gpipe, BATCH, FOUR.context
+        )
+        assert extra == pytest.approx(3 * (r - 1) * head_forward * tokens, rel=1e-12)

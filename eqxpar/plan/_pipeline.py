@@ -238,13 +238,14 @@ def pipeline_memory(
 
 def pipeline_flops(gpt: GPT, layout: Layout, batch: int, seq: int) -> float:
     """FLOPs one device executes in its `r M` working ticks: its `1/P` of the blocks'
-    training FLOPs and the whole head's (every stage runs it), over `model`, for its batch
-    shard; with remat or 1F1B the forward again. (The idle ticks' masked work is the
-    bubble: [`eqxpar.plan.StepTime`][].)"""
+    training FLOPs, and the whole head's in every working tick (every stage runs it on
+    each chunk it passes, masked where it is not the last: `r` times per micro-batch), over
+    `model`, for its batch shard; with remat or 1F1B the forward again. (The idle ticks'
+    masked work is the bubble: [`eqxpar.plan.StepTime`][].)"""
     train, forward, _, head_forward = flops_per_token(gpt, seq)
     tokens = batch // layout.batch_shards * seq
-    P = layout.stage
-    flops = tokens * ((train - 3 * head_forward) / P + 3 * head_forward)
+    P, r = layout.stage, layout.virtual_stages
+    flops = tokens * ((train - 3 * head_forward) / P + 3 * head_forward * r)
     if layout.remat == "block" or layout.schedule == "1f1b":
-        flops += tokens * ((forward - head_forward) / P + head_forward)
+        flops += tokens * ((forward - head_forward) / P + head_forward * r)
     return flops / layout.model
