@@ -33,16 +33,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
+from ._launch_output import TAIL_LINES, Output, Tail, describe
+from ._launch_procs import die_with_launcher_preexec, stop
 from ._runtime import check_port_free
 from .distributed import (
     ENV_COORDINATOR_ADDRESS,
@@ -54,34 +54,10 @@ from .distributed import (
 
 __all__ = ["launch", "main", "free_port"]
 
-# How many of a failed rank's last lines the launcher repeats at the end.
-_TAIL_LINES = 12
-# The line eqxpar.distributed's fail-fast prints when a rank fails: it names the error.
-# Repeated last, since JAX's own logs can follow it (a peer closing the coordination service).
-_FAILURE_LINE = re.compile(r"eqxpar: process \d+ of \d+ failed: ")
-
-
-class _Tail(deque):
-    """A rank's last lines, and the line naming its failure, if it printed one."""
-
-    failure: str | None = None
-
-
 # After a rank exits with EXIT_PEER_FAILED, how long to wait for the rank that caused it. The
 # cause may first wait up to 5 s for the others to read its failure (a stalled job: 5 s more
 # for them to print their stacks), so 5 s here was seen to name a follower under load.
 _CAUSE_WAIT_S = 15.0
-
-# Gloo prints one of these per connection it makes; they say nothing a user needs. Its
-# threads write them concurrently, so pieces of several can share one line.
-_GLOO_PIECE = re.compile(
-    r"\[Gloo\] Rank|\d* ?is connected to \d+ peer ranks\.( Expected number of connected peer ranks is : \d+)?"
-)
-
-
-def _is_gloo_chatter(line: str) -> bool:
-    rest, found = _GLOO_PIECE.subn("", line)
-    return found > 0 and rest.strip(" 0123456789") == ""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -98,99 +74,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-class _Output:
-    """Copies one child stream to ours, line by line, each line prefixed with the rank."""
-
-    def __init__(self, stream, out, prefix: str, lock: threading.Lock, show_gloo: bool, tail: _Tail):
-        self.stream, self.out, self.prefix, self.lock = stream, out, prefix, lock
-        self.show_gloo, self.tail = show_gloo, tail
-        self.thread = threading.Thread(target=self._copy, daemon=True)
-        self.thread.start()
-
-    def _emit(self, line: str) -> None:
-        if not line.strip() or (not self.show_gloo and _is_gloo_chatter(line)):
-            return
-        with self.lock:
-            if _FAILURE_LINE.search(line):
-                self.tail.failure = f"{self.prefix}{line}"
-            self.tail.append(f"{self.prefix}{line}")
-            self.out.write(f"{self.prefix}{line}\n")
-            self.out.flush()
-
-    def _copy(self) -> None:
-        fd = self.stream.fileno()
-        pending = ""
-        while True:
-            try:
-                chunk = os.read(fd, 65536)
-            except OSError:
-                break
-            if not chunk:
-                break
-            # Progress bars redraw with "\r": treat it as a line end so each redraw shows.
-            pending += chunk.decode("utf-8", errors="replace")
-            *lines, pending = re.split(r"\r\n|\r|\n", pending)
-            for line in lines:
-                self._emit(line)
-        if pending:
-            self._emit(pending)
-
-
-def _describe(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return f"was killed by {name}"
-    return f"exited with status {returncode}"
-
-
-def _die_with_launcher() -> Callable[[], None] | None:
-    """A `preexec_fn` that makes the kernel SIGKILL a rank when the launcher dies (Linux
-    `prctl(PR_SET_PDEATHSIG)`), so that a launcher killed by SIGKILL, which cannot stop
-    its ranks itself, leaves none running; `None` elsewhere. The C function is looked up
-    here, in the launcher: the child only calls it between fork and exec."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    pr_set_pdeathsig = 1
-
-    def arm() -> None:
-        prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
-
-    return arm
-
-
-def _signal_running(procs: list[subprocess.Popen], sig: int) -> None:
-    """Send `sig` to the process group of every process still running."""
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, sig)
-            except ProcessLookupError:
-                pass
-
-
-def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
-    """SIGTERM every still-running process group, then SIGKILL what is left after `grace_s`."""
-    _signal_running(procs, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-        time.sleep(0.05)
-    _signal_running(procs, signal.SIGKILL)
-    for p in procs:
-        try:
-            p.wait(timeout=5)
-        except subprocess.TimeoutExpired:  # pragma: no cover - unkillable process
-            pass
 
 
 def launch(
@@ -255,9 +138,9 @@ def launch(
     address = f"127.0.0.1:{port or free_port()}"
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
-    die_with_launcher = _die_with_launcher()
-    copies: list[_Output] = []
-    tails = [_Tail(maxlen=_TAIL_LINES) for _ in range(nproc)]
+    die_with_launcher = die_with_launcher_preexec()
+    copies: list[Output] = []
+    tails = [Tail(maxlen=TAIL_LINES) for _ in range(nproc)]
 
     def note(message: str) -> None:
         with lock:
@@ -289,8 +172,8 @@ def launch(
             preexec_fn=die_with_launcher,  # and gone if the launcher is killed
         )
         procs.append(p)
-        copies.append(_Output(p.stdout, out, f"[rank {rank}] ", lock, show_gloo, tails[rank]))
-        copies.append(_Output(p.stderr, out, f"[rank {rank}] ", lock, show_gloo, tails[rank]))
+        copies.append(Output(p.stdout, out, f"[rank {rank}] ", lock, show_gloo, tails[rank]))
+        copies.append(Output(p.stderr, out, f"[rank {rank}] ", lock, show_gloo, tails[rank]))
         note(f"rank {rank} started as pid {p.pid}")
 
     interrupted: list[int] = []
@@ -323,7 +206,7 @@ def launch(
                 cause, cause_code = rank, code
                 others = sum(c is None for c in codes)
                 note(
-                    f"rank {rank} (pid {procs[rank].pid}) {_describe(code)}; stopping the "
+                    f"rank {rank} (pid {procs[rank].pid}) {describe(code)}; stopping the "
                     f"other {others} running process(es)."
                 )
                 status = code if code > 0 else 128 - code
@@ -347,7 +230,7 @@ def launch(
             time.sleep(0.05)
     finally:
         preempted = interrupted[:1] == [signal.SIGTERM] and cause is None
-        _stop(procs, max(grace_s, term_grace_s) if preempted else grace_s)
+        stop(procs, max(grace_s, term_grace_s) if preempted else grace_s)
         # Every rank has exited: the copies end at their pipes' end, once they have written
         # all a rank printed last (under load that can take seconds). The timeout is for a
         # rank's child process that still holds the pipe open.
@@ -362,7 +245,7 @@ def launch(
             note(f"the last lines of rank {cause}:\n" + "\n".join(f"    {line}" for line in lines))
         if tails[cause].failure:
             note(f"rank {cause}'s error: {tails[cause].failure}")
-        note(f"the job failed: rank {cause} {_describe(cause_code)}.")
+        note(f"the job failed: rank {cause} {describe(cause_code)}.")
     return status
 
 

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from eqxpar import launch
+from eqxpar._launch_output import is_gloo_chatter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -251,14 +252,12 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
 
 
 def test_gloo_connection_chatter_is_recognised():
-    assert launch._is_gloo_chatter(
-        "[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
-    )
-    assert launch._is_gloo_chatter(
+    assert is_gloo_chatter("[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1")
+    assert is_gloo_chatter(
         "[Gloo] Rank [Gloo] Rank 3 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7"
     )
-    assert not launch._is_gloo_chatter("1")
-    assert not launch._is_gloo_chatter("step 3 loss 0.25")
+    assert not is_gloo_chatter("1")
+    assert not is_gloo_chatter("step 3 loss 0.25")
 
 
 def test_bad_launcher_arguments(tmp_path):
