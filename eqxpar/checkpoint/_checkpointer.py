@@ -3,34 +3,20 @@
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Sequence
-from typing import Any, overload
+from typing import Any
 
 import jax
-import numpy as np
 from jaxtyping import PyTree
 
 from . import _folder
-from ._config import FLAGS, LIBRARY, as_json, check_folder, recipe_settings
-from ._folder import CONFIG, DATA, FORMAT, META, STATE
+from ._config import FLAGS, LIBRARY, as_json, check_counts, check_folder, check_int, recipe_settings
 from ._leaves import json_text, saved_arrays
 from ._preemption import StepWatch, stop_after_save
 from ._restore import Restored, candidates, read_newest, target
+from ._save import drop_unreadable, open_manager, write
 
 __all__ = ["Checkpointer"]
-
-
-@overload
-def _check_int(value: Any, what: str) -> int: ...
-@overload
-def _check_int(value: Any, what: str, *, none: bool) -> int | None: ...
-def _check_int(value: Any, what: str, *, none: bool = False) -> int | None:
-    if value is None and none:
-        return None
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{what} must be a non-negative integer{' or None' if none else ''}, got {value!r}.")
-    return int(value)
 
 
 class Checkpointer:
@@ -127,14 +113,7 @@ class Checkpointer:
         save_on_preemption: bool = False,
         watchdog_s: float | None = None,
     ):
-        for name, value in (("keep", keep), ("save_every", save_every)):
-            if (value is not None or name != "keep") and (
-                not isinstance(value, int) or isinstance(value, bool) or value < 1
-            ):
-                raise ValueError(
-                    f"Checkpointer: {name} must be a positive integer"
-                    f"{' or None (keep all)' if name == 'keep' else ''}, got {value!r}."
-                )
+        check_counts(keep, save_every)
         self.keep, self.save_every = keep, save_every
         self.async_save, self.resume, self.verbose = bool(async_save), bool(resume), verbose
         self.directory = None if directory is None else os.path.abspath(os.fspath(directory))
@@ -229,21 +208,7 @@ class Checkpointer:
         then); the first opening removes eqxpar's interrupted saves."""
         self._check_open()
         if self._manager is None:
-            # orbax is an optional extra: it (and ._orbax) loads on first use, not at import.
-            import orbax.checkpoint as ocp
-
-            from ._orbax import OwnSteps
-
-            options = ocp.CheckpointManagerOptions(
-                preservation_policy=None if self.keep is None else ocp.checkpoint_managers.LatestN(n=self.keep),
-                enable_async_checkpointing=self.async_save,
-                create=True,
-                step_name_format=OwnSteps(),  # retention and deletion see eqxpar's folders only
-                cleanup_tmp_directories=False,  # done below, for eqxpar's temporary folders only
-            )
-            if jax.process_index() == 0:
-                _folder.remove_unfinished(self._directory())
-            self._manager = ocp.CheckpointManager(self._directory(), options=options)
+            self._manager = open_manager(self._directory(), self.keep, self.async_save)
         return self._manager
 
     def _check_open(self) -> None:
@@ -290,29 +255,17 @@ class Checkpointer:
           step: save the state the step returned), naming the leaf.
         """
         self._check_open()
-        step = _check_int(step, "maybe_save: step")
+        step = check_int(step, "maybe_save: step")
         stop = self._watch.step(step)  # every process, every step
         if not self.enabled or (not force and not stop and step % self.save_every):
             return False
         data_text = json_text(data_state() if callable(data_state) else data_state)
         arrays, described = saved_arrays(state)
         manager = self._open()
-        self._drop_unreadable(manager)
+        drop_unreadable(manager, self._directory(), self._unreadable)
+        self._unreadable = []
         _folder.check_free(self._directory(), step)
-        # orbax is an optional extra: it (and ._orbax) loads on first use, not at import.
-        import orbax.checkpoint as ocp
-
-        from ._orbax import JsonFileSave, PerProcessJsonSave
-
-        meta = {"format": FORMAT, "step": step, "process_count": jax.process_count(), "leaves": described}
-        items = {
-            STATE: ocp.args.StandardSave(arrays),
-            META: JsonFileSave(meta),
-            DATA: PerProcessJsonSave(data_text),
-        }
-        if self._config is not None:
-            items[CONFIG] = JsonFileSave(self._config)
-        manager.save(step, args=ocp.args.Composite(**items), force=True)  # decided above
+        write(manager, step, arrays, described, data_text, self._config)  # forced: decided above
         if stop:  # a preemption notice: the checkpoint complete on disk, then stop
             self.close()
             hint = (
@@ -324,18 +277,6 @@ class Checkpointer:
                 step, _folder.step_dir(self._directory(), step), hint, lambda line: print(line, flush=True)
             )
         return True
-
-    def _drop_unreadable(self, manager) -> None:
-        for step in self._unreadable:
-            if step in manager.all_steps():
-                warnings.warn(
-                    f"eqxpar.checkpoint: deleting the unreadable checkpoint "
-                    f"{_folder.step_dir(self._directory(), step)} (skipped at restore) before "
-                    f"saving.",
-                    stacklevel=3,
-                )
-                manager.delete(step)
-        self._unreadable = []
 
     def wait(self) -> None:
         """Block until a save running in the background has been written completely.
@@ -391,7 +332,7 @@ class Checkpointer:
           read, or on a fresh start with an abstract `like`. Nothing on disk is changed.
         """
         self._check_open()
-        step = _check_int(step, "restore: step", none=True)
+        step = check_int(step, "restore: step", none=True)
         if not self.enabled:
             return Restored(like, 0, None)
         wanted = target(like)

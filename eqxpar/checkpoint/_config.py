@@ -1,5 +1,6 @@
 """The checks a `Checkpointer` makes when it is created, before JAX starts: the folder, the
-run config saved with every checkpoint against a resuming run's, and a recipe's flags."""
+run config saved with every checkpoint against a resuming run's, and a recipe's flags; and
+the numbers its constructor and calls take."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import json
 import os
 import warnings
 from collections.abc import Callable, Collection, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
+
+import numpy as np
 
 from .._optional import require
 from . import _folder
@@ -17,6 +20,8 @@ __all__ = [
     "as_json",
     "compare",
     "check_folder",
+    "check_counts",
+    "check_int",
     "recipe_settings",
     "Spelling",
     "LIBRARY",
@@ -210,3 +215,29 @@ def recipe_settings(cfg: Any) -> dict[str, Any]:
         "free_fields": [f for f in RECIPE_FREE_FIELDS if hasattr(cfg, f)],
         "watchdog_s": watchdog or None,
     }
+
+
+def check_counts(keep: Any, save_every: Any) -> None:
+    """`Checkpointer`'s `keep` (or None) and `save_every`: positive integers."""
+    for name, value in (("keep", keep), ("save_every", save_every)):
+        if (value is not None or name != "keep") and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 1
+        ):
+            raise ValueError(
+                f"Checkpointer: {name} must be a positive integer"
+                f"{' or None (keep all)' if name == 'keep' else ''}, got {value!r}."
+            )
+
+
+@overload
+def check_int(value: Any, what: str) -> int: ...
+@overload
+def check_int(value: Any, what: str, *, none: bool) -> int | None: ...
+def check_int(value: Any, what: str, *, none: bool = False) -> int | None:
+    """`value` as an `int` if it is a non-negative integer (or None, with `none`); else a
+    `ValueError` naming `what`."""
+    if value is None and none:
+        return None
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{what} must be a non-negative integer{' or None' if none else ''}, got {value!r}.")
+    return int(value)
