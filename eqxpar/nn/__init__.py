@@ -15,9 +15,11 @@ y = forward(eqxpar.shard(mlp, mesh, specs), x)  # equals eqx.nn.MLP's output
 ```
 """
 
+from ._all_gather_attention import all_gather_attention
 from ._attention import ParallelMultiheadAttention
 from ._attention_kernels import fused_attention
 from ._base import TensorParallelLayer
+from ._context_layout import context_positions, layout_order, zigzag_inverse, zigzag_order
 from ._convert import from_dense, partition_specs, to_dense
 from ._embedding import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from ._linear import MATMUL_NAME, ColumnParallelLinear, RowParallelLinear
@@ -30,14 +32,7 @@ from ._parallelize import auto_plan, parallelize
 from ._plan import Plan, PlanRow
 from ._plan_stacked import VmappedStack
 from ._registry import register_style, unregister_style
-from ._ring_attention import (
-    all_gather_attention,
-    context_positions,
-    layout_order,
-    ring_attention,
-    zigzag_inverse,
-    zigzag_order,
-)
+from ._ring_attention import ring_attention
 from ._stacked import StackedLayers
 
 __all__ = [

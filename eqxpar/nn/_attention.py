@@ -10,10 +10,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
+from ._all_gather_attention import all_gather_attention
 from ._attention_kernels import fused_attention, reference_attention
 from ._base import TensorParallelLayer, gather_sequence, skeleton, to_varying
+from ._context_layout import LAYOUTS, Layout
 from ._linear import ColumnParallelLinear, RowParallelLinear
-from ._ring_attention import LAYOUTS, Layout, all_gather_attention, ring_attention
+from ._ring_attention import ring_attention
 
 __all__ = ["ParallelMultiheadAttention"]
 
