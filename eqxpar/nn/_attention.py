@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from ._all_gather_attention import all_gather_attention
+from ._attention_inputs import check_shapes, local_mask
 from ._attention_kernels import fused_attention, reference_attention
 from ._base import TensorParallelLayer, gather_sequence, skeleton, to_varying
 from ._context_layout import LAYOUTS, Layout
@@ -310,7 +311,7 @@ class ParallelMultiheadAttention(TensorParallelLayer):
                 gathered = {id(a): gather_sequence(a, self.axis_name, -2) for a in (query, key_, value)}
                 query, key_, value = (gathered[id(a)] for a in (query, key_, value))
             lead, q_seq, kv_seq = query.shape[:-2], query.shape[-2], key_.shape[-2]
-            _check_shapes(query, key_, value)
+            check_shapes(query, key_, value)
 
             # Mark the inputs as varying once: self-attention's three projections then read
             # one varying array, and their input gradients meet in one backward all-reduce.
@@ -323,7 +324,7 @@ class ParallelMultiheadAttention(TensorParallelLayer):
             if process_heads is not None:
                 q, k, v = self._process_heads(process_heads, q, k, v, len(lead))
 
-            mask = _local_mask(mask, len(lead), first, heads, self.num_heads)
+            mask = local_mask(mask, len(lead), first, heads, self.num_heads)
             dropout_off = inference if inference is not None else self.dropout.inference
             dropout_off = dropout_off or (isinstance(self.dropout.p, (int, float)) and self.dropout.p == 0)
             if self.attention_impl in ("ring", "all_gather"):
@@ -367,39 +368,3 @@ class ParallelMultiheadAttention(TensorParallelLayer):
             )
         attend = ring_attention if self.attention_impl == "ring" else all_gather_attention
         return attend(q, k, v, axis_name=self.context_axis, causal=self.causal, layout=self.context_layout)
-
-
-def _check_shapes(query, key_, value) -> None:
-    if query.ndim < 2:
-        raise ValueError(
-            f"ParallelMultiheadAttention: query must be (q_seq, query_size) or (*batch, q_seq, "
-            f"query_size), got shape {query.shape}."
-        )
-    if key_.shape[:-2] != query.shape[:-2] or value.shape[:-2] != query.shape[:-2]:
-        raise ValueError(
-            f"ParallelMultiheadAttention: query, key and value need the same batch dimensions, "
-            f"got shapes {query.shape}, {key_.shape}, {value.shape}."
-        )
-    if value.shape[-2] != key_.shape[-2]:
-        raise ValueError("ParallelMultiheadAttention: key and value must have the same length.")
-
-
-def _local_mask(mask, batch_dims: int, first, heads: int, num_heads: int):
-    """The mask as `(*batch or 1s, heads or 1, q_seq, kv_seq)`, with this device's heads."""
-    if mask is None:
-        return None
-    mask = jnp.asarray(mask)
-    if mask.ndim == batch_dims + 3:  # a head axis: take our heads
-        if mask.shape[-3] != num_heads:
-            raise ValueError(
-                f"ParallelMultiheadAttention: a per-head mask needs {num_heads} heads on its "
-                f"third-to-last axis, got shape {mask.shape}."
-            )
-        return jax.lax.dynamic_slice_in_dim(mask, first, heads, axis=mask.ndim - 3)
-    if mask.ndim in (2, batch_dims + 2):
-        return mask[..., None, :, :]
-    raise ValueError(
-        f"ParallelMultiheadAttention: mask of shape {mask.shape} does not fit a query with "
-        f"{batch_dims} batch dimension(s): pass (q_seq, kv_seq), (*batch, q_seq, kv_seq) or "
-        f"(*batch, num_heads, q_seq, kv_seq)."
-    )
