@@ -48,7 +48,7 @@ def test_the_reader_sees_relative_lazy_and_submodule_imports():
     # `from ._specs import ...` at module level
     assert "eqxpar._specs" in graph["eqxpar._shard_map"]
     # `from ._orbax import OwnSteps` inside a function
-    assert "eqxpar.checkpoint._orbax" in graph["eqxpar.checkpoint._checkpointer"]
+    assert "eqxpar.checkpoint._orbax" in graph["eqxpar.checkpoint._save"]
     # `from .. _specs import ...` two levels up, and `from . import _folder`
     assert "eqxpar._specs" in graph["eqxpar.checkpoint._leaves"]
     assert "eqxpar.checkpoint._folder" in graph["eqxpar.checkpoint._config"]
