@@ -216,8 +216,10 @@ def main(argv=None) -> dict:
         tokens = text_windows(train_ids, cfg.batch_size, cfg.context, seed=cfg.seed, step=i)
         return eqxpar.shard(laid_out(tokens), mesh, batch_spec)
 
+    # The held-out rows stay whole on every batch shard (64 of them need not divide the
+    # shards); under context parallelism each device takes its part of every sequence.
     evaluate = eqxpar.recipe.held_out_loss(
-        lambda model, tokens: llama_loss(model, tokens), mesh, specs, batch_spec=batch_spec
+        lambda model, tokens: llama_loss(model, tokens), mesh, specs, batch_spec=P(None, "context") if context else P()
     )
     val_tokens = laid_out(text_windows(val_ids, 64, cfg.context, seed=1234, step=0))
     start_val_loss = float(evaluate(model, val_tokens))  # the model we start from (--from-hf: the file's)
