@@ -162,6 +162,34 @@ def test_ring_gpt_trained_without_context_axis(ring_gpt):
     refused(lambda: other.init(ring_gpt), "context_axis='seq'", "Build the step with context_axis='context'")
 
 
+def small_llama(**options):
+    from eqxpar.models import Llama, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=64, dim=32, num_layers=1, num_heads=4, num_kv_heads=2, hidden_dim=64, max_seq_len=16
+    )
+    return Llama(config, key=jax.random.key(0), **options)
+
+
+@pytest.mark.parametrize("build, impl", [(gpt, "dot_product"), (gpt, "reference"), (small_llama, "dot_product")])
+def test_whole_sequence_attention_under_a_context_split_step(build, impl):
+    """The opposite mistake: the step splits every sequence over a context axis, but the
+    model's attention sees only its device's part of each sequence. It used to train, with
+    a wrong loss (each part attending to itself, RoPE at local positions), and say nothing."""
+    from eqxpar.train import hybrid_step
+
+    mesh = eqxpar.make_mesh(data=2, context=2, model=2)
+    step = hybrid_step(gpt_loss, optax.adam(1e-3), mesh, batch_axis="data", context_axis="context")
+    model = build(attention_impl=impl)
+    refused(
+        lambda: step.init(model),
+        "hybrid_step:",
+        f"attention_impl={impl!r}",
+        "context_axis='context'",
+        "attention_impl='ring'",
+    )
+
+
 def test_sequence_parallel_gpt_under_a_data_only_step(sequence_parallel_gpt):
     """Used to end in `NameError: unbound axis name: model`."""
     from eqxpar.train import data_parallel_step

@@ -106,10 +106,13 @@ def check_model_axes(
     model: PyTree, mesh: Mesh, who: str, context_axis: str | None, *, splits_sequences: bool = True
 ) -> None:
     """The mesh axes the model's layers name must exist, before anything traces: each
-    tensor-parallel layer's model axis must be on the mesh, and a context-parallel attention
+    tensor-parallel layer's model axis must be on the mesh, a context-parallel attention
     (`attention_impl` `"ring"` or `"all_gather"`) needs the step to split every sequence over
-    its context axis (`context_axis=`). Else, inside the step, JAX's `NameError: unbound axis
-    name` (or an out_specs error) with no word of which layer or which fix."""
+    its context axis (`context_axis=`), and a step that splits sequences needs every
+    attention that says how it attends to be context-parallel (any other sees only its
+    device's part of each sequence, and would train silently wrong). Else, inside the
+    step, JAX's `NameError: unbound axis name` (or an out_specs error) with no word of
+    which layer or which fix, or no error at all."""
 
     def layers(node, where):
         yield where, node
@@ -137,6 +140,14 @@ def check_model_axes(
                 )
             impl = getattr(node, "attention_impl", None)
             ring = getattr(node, "context_axis", None)
+            if context_axis is not None and isinstance(impl, str) and impl not in ("ring", "all_gather"):
+                raise ValueError(
+                    f"{who}: {at} has attention_impl={impl!r}, which attends within each device's "
+                    f"part of a sequence only, but the step splits every sequence over "
+                    f"context_axis={context_axis!r}: no token would see the other parts. Build the "
+                    f"model with attention_impl='ring' (or 'all_gather') to attend across the "
+                    f"context axis, or the step without context_axis."
+                )
             if impl not in ("ring", "all_gather") or not isinstance(ring, str) or ring == context_axis:
                 continue
             why = (
