@@ -232,10 +232,11 @@ def launch(
         preempted = interrupted[:1] == [signal.SIGTERM] and cause is None
         stop(procs, max(grace_s, term_grace_s) if preempted else grace_s)
         # Every rank has exited: the copies end at their pipes' end, once they have written
-        # all a rank printed last (under load that can take seconds). The timeout is for a
-        # rank's child process that still holds the pipe open.
+        # all a rank printed last (under load that can take seconds). The deadline, one for
+        # all copies, is for a rank's child process that still holds a pipe open.
+        deadline = time.monotonic() + 15.0
         for c in copies:
-            c.thread.join(timeout=15.0)
+            c.thread.join(timeout=max(0.0, deadline - time.monotonic()))
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)
     if cause is not None:
