@@ -147,7 +147,8 @@ def save_hf(
     experts as each expert's `w1`, `w3` and `w2` (`block_sparse_moe.experts.0.w1.weight`,
     ..., `[out, in]`). transformers computes a Mixtral dropless: a model trained with a
     `capacity_factor` is saved as it is, and computes in transformers what it computes in
-    eqxpar with `capacity_factor=None`.
+    eqxpar with `capacity_factor=None`. A router z-loss (`z_loss_weight`) shapes training
+    only and has no key in a Mixtral config: it is not written, and `load_hf` gives 0.
 
     A GPT's tensors are named as `GPT2LMHeadModel.save_pretrained` names them
     (`transformer.h.0.attn.c_attn.weight`, ...), its `Conv1D` weights transposed to
