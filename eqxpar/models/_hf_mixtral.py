@@ -174,6 +174,10 @@ def check_mixtral_options(moe: MoEOptions) -> None:
         problems.append(f"moe.score={moe.score!r} (Mixtral's router takes a softmax: score='softmax')")
     if not moe.normalize_weights:
         problems.append("moe.normalize_weights=False (Mixtral divides the chosen experts' scores by their sum: True)")
+    if moe.shared_experts:
+        problems.append(
+            f"moe.shared_experts={moe.shared_experts} (a Mixtral has routed experts only: shared_experts=0)"
+        )
     if problems:
         raise ValueError(
             "save_hf: this Llama's mixture of experts is not a Mixtral's, so no MixtralForCausalLM computes it: "

@@ -29,7 +29,15 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ..nn import MixtureOfExperts, MoEAux, ParallelMultiheadAttention, TensorParallelLayer, layer_norm
+from ..nn import (
+    MixtureOfExperts,
+    MoEAux,
+    ParallelMLP,
+    ParallelMultiheadAttention,
+    TensorParallelLayer,
+    gelu,
+    layer_norm,
+)
 from ._block import TransformerBlock, sequence_dropout, split_keys
 
 __all__ = ["MoEOptions", "MoEBlock", "moe_aux_loss"]
@@ -55,6 +63,12 @@ class MoEOptions:
     - `normalize_weights`: divide each token's `top_k` scores by their sum, so its experts'
       weights add up to one (Mixtral: softmax over all experts, then the chosen ones
       renormalised); False keeps the scores as they are (Switch, GShard).
+    - `shared_experts`: how many experts' worth of **shared** MLP every token goes through
+      beside its routed experts (DeepSeek-MoE, Qwen-MoE); 0 (the default) for none. With
+      `n > 0` each MoE block holds one dense MLP of `n * expert_hidden` hidden units (the
+      GPT's MLP kind in a [`eqxpar.models.MoEBlock`][], a SwiGLU in a
+      [`eqxpar.models.LlamaMoEBlock`][]), split over the model axis like any MLP and copied
+      over the expert axis; its output is added to the routed experts'.
     """
 
     num_experts: int = 8
@@ -67,6 +81,7 @@ class MoEOptions:
     score: str = "softmax"
     expert_axis: str = "expert"
     normalize_weights: bool = False
+    shared_experts: int = 0
 
     def __post_init__(self):
         who = "GPT: moe"
@@ -100,6 +115,12 @@ class MoEOptions:
             raise ValueError(f"{who}.expert_axis must be a mesh axis name (a str), got {self.expert_axis!r}.")
         if not isinstance(self.normalize_weights, bool):
             raise ValueError(f"{who}.normalize_weights must be True or False, got {self.normalize_weights!r}.")
+        shared = self.shared_experts
+        if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+            raise ValueError(
+                f"{who}.shared_experts={shared!r}; it must be a non-negative integer: the shared MLP's width in "
+                f"experts (0 for none, 1 for one expert's hidden width, as DeepSeek-MoE's 1 or 2)."
+            )
 
     def is_moe_block(self, index: int) -> bool:
         """Whether block `index` (from 0) is an MoE block: `(index + 1) % every == 0`."""
@@ -114,13 +135,18 @@ class MoEBlock(eqx.Module):
     Each sequence of the residual stream `(*batch, seq, dim)` is one routing group.
     Communication per call: the attention's all-reduce over the model axis; the MoE's two
     all-to-alls over the expert axis and (with its hidden units split) one all-reduce over
-    the model axis; and the transposes of all of these backward.
+    the model axis; and the transposes of all of these backward. With
+    `moe.shared_experts > 0`, `shared_experts` (a [`eqxpar.nn.ParallelMLP`][] with the
+    GPT's GELU, `shared_experts * hidden` hidden units) runs on every token of `norm(x)`
+    and its output is added to the routed experts' (one more all-reduce over the model
+    axis); otherwise `shared_experts` is None.
     """
 
     attention_norm: eqx.nn.LayerNorm
     attention: ParallelMultiheadAttention
     mlp_norm: eqx.nn.LayerNorm
     moe: MixtureOfExperts
+    shared_experts: ParallelMLP | None
     dropout: eqx.nn.Dropout
 
     def __init__(
@@ -143,7 +169,8 @@ class MoEBlock(eqx.Module):
         - `hidden`: each expert's SwiGLU hidden size.
         - `dropout_p`, `attention_impl`, `attention_dropout_p`: as in `TransformerBlock`.
         - `axis_name`: the model axis: attention heads and each expert's hidden units split over it.
-        - `key`: the initialisation key.
+        - `key`: the initialisation key (the attention and the experts get the same weights
+          with or without shared experts).
         """
         attention_key, moe_key = jax.random.split(key)
         self.attention_norm = eqx.nn.LayerNorm(dim)
@@ -169,6 +196,18 @@ class MoEBlock(eqx.Module):
             model_axis=axis_name,
             key=moe_key,
         )
+        self.shared_experts = (
+            ParallelMLP(
+                dim,
+                dim,
+                moe.shared_experts * hidden,
+                activation=gelu,
+                axis_name=axis_name,
+                key=jax.random.fold_in(key, 1),
+            )
+            if moe.shared_experts
+            else None
+        )
         self.dropout = eqx.nn.Dropout(dropout_p)
 
     def __call__(
@@ -189,7 +228,11 @@ class MoEBlock(eqx.Module):
                 h = self.attention(layer_norm(self.attention_norm, x), key=attention_key, inference=inference)
                 x = x + sequence_dropout(self.dropout, h, rows, length, key=residual_key1, inference=inference)
             with jax.named_scope("moe"):
-                h, aux = self.moe(layer_norm(self.mlp_norm, x))
+                normed = layer_norm(self.mlp_norm, x)
+                h, aux = self.moe(normed)
+                if self.shared_experts is not None:
+                    with jax.named_scope("shared_experts"):
+                        h = h + self.shared_experts(normed)
                 return x + sequence_dropout(self.dropout, h, rows, length, key=residual_key2, inference=inference), aux
 
 

@@ -11,6 +11,7 @@ routing group. Train it with `expert_axis=moe.expert_axis` in the step builder;
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,7 +21,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from ..nn import MixtureOfExperts, MoEAux
 from ._llama_config import LlamaConfig
-from ._llama_layers import LlamaAttention, LlamaBlock, RMSNorm
+from ._llama_layers import LlamaAttention, LlamaBlock, LlamaMLP, RMSNorm
 from ._moe_block import MoEOptions
 
 __all__ = ["LlamaMoEBlock"]
@@ -29,12 +30,18 @@ __all__ = ["LlamaMoEBlock"]
 class LlamaMoEBlock(eqx.Module):
     """A pre-norm Llama block with a mixture of experts in place of the MLP:
     `h = x + self_attn(input_layernorm(x))`, then `h + block_sparse_moe(post_attention_layernorm(h))`,
-    the MoE's [`eqxpar.nn.MoEAux`][] returned beside the new residual stream."""
+    the MoE's [`eqxpar.nn.MoEAux`][] returned beside the new residual stream.
+
+    With `moe.shared_experts > 0`, `shared_experts` (a [`eqxpar.models.LlamaMLP`][] of
+    `shared_experts * expert_hidden` hidden units, DeepSeek-MoE / Qwen-MoE style) runs on
+    every token of `post_attention_layernorm(h)` and its output is added to
+    `block_sparse_moe`'s; otherwise `shared_experts` is None."""
 
     input_layernorm: RMSNorm
     self_attn: LlamaAttention
     post_attention_layernorm: RMSNorm
     block_sparse_moe: MixtureOfExperts
+    shared_experts: LlamaMLP | None
 
     def __init__(
         self,
@@ -49,18 +56,20 @@ class LlamaMoEBlock(eqx.Module):
 
         - `config`: the model's [`eqxpar.models.LlamaConfig`][].
         - `moe`: the [`eqxpar.models.MoEOptions`][] (experts, top-k, capacity, expert axis).
-        - `init_std`: the attention's linear layers' standard deviation (the experts are
-          drawn as [`eqxpar.nn.MixtureOfExperts`][] draws them).
+        - `init_std`: the attention's and the shared experts' linear layers' standard
+          deviation (the routed experts are drawn as [`eqxpar.nn.MixtureOfExperts`][] draws them).
         - `axis_name`: the model axis: attention heads and each expert's hidden units split over it.
-        - `key`: the initialisation key.
+        - `key`: the initialisation key (the attention and the routed experts get the same
+          weights with or without shared experts).
         """
         attention_key, moe_key = jax.random.split(key)
+        hidden = moe.expert_hidden or config.hidden_dim
         self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
         self.self_attn = LlamaAttention(config, init_std=init_std, axis_name=axis_name, key=attention_key)
         self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
         self.block_sparse_moe = MixtureOfExperts(
             config.dim,
-            moe.expert_hidden or config.hidden_dim,
+            hidden,
             moe.num_experts,
             moe.top_k,
             score=moe.score,
@@ -69,6 +78,16 @@ class LlamaMoEBlock(eqx.Module):
             axis_name=moe.expert_axis,
             model_axis=axis_name,
             key=moe_key,
+        )
+        self.shared_experts = (
+            LlamaMLP(
+                dataclasses.replace(config, hidden_dim=moe.shared_experts * hidden),
+                init_std=init_std,
+                axis_name=axis_name,
+                key=jax.random.fold_in(key, 1),
+            )
+            if moe.shared_experts
+            else None
         )
 
     def __call__(
@@ -86,7 +105,11 @@ class LlamaMoEBlock(eqx.Module):
         with jax.named_scope(name or "LlamaMoEBlock"):
             x = x + self.self_attn(self.input_layernorm(x), cos, sin)
             with jax.named_scope("moe"):
-                h, aux = self.block_sparse_moe(self.post_attention_layernorm(x))
+                normed = self.post_attention_layernorm(x)
+                h, aux = self.block_sparse_moe(normed)
+                if self.shared_experts is not None:
+                    with jax.named_scope("shared_experts"):
+                        h = h + self.shared_experts(normed)
             return x + h, aux
 
 
