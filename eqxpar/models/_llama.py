@@ -22,6 +22,7 @@ from ._llama_layers import LLAMA_ATTENTION_IMPLS, LlamaBlock, RMSNorm, normal_li
 from ._llama_parts import CONTEXT_IMPLS, embed, head_logits, mean_cross_entropy, rotary_angles
 from ._moe_block import MoEOptions, check_model_axis_size, moe_aux_loss, run_blocks
 from ._moe_llama import LlamaMoEBlock, llama_blocks
+from ._moe_theory import llama_mlp_params
 
 __all__ = ["Llama", "llama_loss", "llama_matmul_params", "llama_flops_per_token"]
 
@@ -336,17 +337,20 @@ def _config_of(model: Llama | LlamaConfig, who: str) -> LlamaConfig:
     raise ValueError(f"{who}: expected an eqxpar.models.Llama or LlamaConfig, got {type(model).__name__}.")
 
 
-def llama_matmul_params(model: Llama | LlamaConfig) -> int:
+def llama_matmul_params(model: Llama | LlamaConfig, *, all_experts: bool = False) -> int:
     """The Llama's parameters that multiply activations (the `N` of `6 N`).
 
     Every block's `q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj` and
     `down_proj`, and the output head (`vocab_size x dim`, counted with tied embeddings too:
-    the head's matmul runs either way); not the embedding lookup or the norms.
+    the head's matmul runs either way); not the embedding lookup or the norms. A Llama with
+    `moe=` counts in its MoE layers the router, the `top_k` experts a token runs through and
+    the shared experts (`MoEOptions.shared_experts`) instead of the MLP.
 
     **Arguments:**
 
     - `model`: a [`eqxpar.models.Llama`][] or just its [`eqxpar.models.LlamaConfig`][]
       (no weights needed: e.g. `llama_config("llama-3-8b")`).
+    - `all_experts`: count every expert of the MoE layers, not only `top_k`.
 
     **Returns:**
 
@@ -354,14 +358,15 @@ def llama_matmul_params(model: Llama | LlamaConfig) -> int:
     """
     c = _config_of(model, "llama_matmul_params")
     attention = c.dim * c.channels * (2 * c.num_heads + 2 * c.kv_heads)
-    mlp = 3 * c.dim * c.hidden_dim
-    return c.num_layers * (attention + mlp) + c.vocab_size * c.dim
+    mlps = llama_mlp_params(c, model.moe if isinstance(model, Llama) else None, all_experts=all_experts)
+    return c.num_layers * attention + mlps + c.vocab_size * c.dim
 
 
 def llama_flops_per_token(model: Llama | LlamaConfig, seq_len: int | None = None, *, backward: bool = True) -> int:
     """Model FLOPs per trained token of a Llama: `6 N + 12 L T (num_heads x head_dim)`
     ([`eqxpar.inspect.transformer_flops_per_token`][] with the Llama's sizes; the
-    attention width is the query heads', whatever the number of key/value heads).
+    attention width is the query heads', whatever the number of key/value heads; with
+    `moe=`, `N` counts the experts a token runs through: see `llama_matmul_params`).
 
     **Arguments:**
 
@@ -384,5 +389,5 @@ def llama_flops_per_token(model: Llama | LlamaConfig, seq_len: int | None = None
             f"llama_flops_per_token: seq_len must be an integer in 1..{c.max_seq_len} (max_seq_len), got {seq_len!r}."
         )
     return transformer_flops_per_token(
-        llama_matmul_params(c), c.num_layers, c.num_heads * c.channels, seq_len, backward=backward
+        llama_matmul_params(model), c.num_layers, c.num_heads * c.channels, seq_len, backward=backward
     )
