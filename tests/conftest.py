@@ -21,6 +21,15 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ and "PYTEST_XDIST_WORKER" not i
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
+# The tests' programs are tiny, so compiling them, not running them, is most of the suite's
+# time, and LLVM's optimisation passes are most of a CPU compile: at -O0 the suite takes about
+# a third less CPU (tests/test_models_options.py and test_llama.py: 166 s -> 106 s). Every
+# process a test starts inherits it, so both sides of every comparison compile alike. HLO
+# passes (collectives, fusion, buffer assignment, the bytes the inspect tests read) are
+# untouched; only the machine code is less optimised.
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+
 import eqxpar
 
 # Before anything touches a JAX backend.
