@@ -226,7 +226,7 @@ def main(argv=None) -> dict:
     start_digest = eqxpar.recipe.parameter_digest(model)
     say(f"mesh {dict(mesh.shape)}; held-out loss before training {start_val_loss:.4f}")
 
-    flops_per_token = llama_flops_per_token(config, cfg.context)  # 6 N + attention, forward and backward
+    flops_per_token = llama_flops_per_token(model, cfg.context)  # 6 N + attention, forward and backward
     (model, opt_state, train_key), first_step, history = ckpt.restore((model, opt_state, train_key))
     run_log = eqxpar.recipe.RunLog.from_config(
         cfg,
@@ -264,7 +264,7 @@ def main(argv=None) -> dict:
         "val_losses": run_log.evals,
         "uniform_loss": math.log(text.vocab_size),
         **eqxpar.recipe.speed_metrics(
-            run_log.per_second, llama_flops_per_token(config, cfg.context), mesh.size, "float32"
+            run_log.per_second, flops_per_token, mesh.size, "float32"
         ),
         "param_bytes_total": params.bytes_total,
         "param_bytes_per_device": params.bytes_per_device,

@@ -186,7 +186,8 @@ def save_hf(
       checkpoint files (naming them: write to a new folder), `tie_embeddings` given for a
       Llama, `tie_embeddings=True` for a GPT whose head differs from its embedding, or a
       GPT whose layer norms GPT-2 cannot express (different epsilons), or a Llama with
-      `moe=` options no Mixtral has (`every` > 1, sigmoid scores, `normalize_weights=False`).
+      `moe=` options no Mixtral has (`every` > 1, sigmoid scores, `normalize_weights=False`,
+      `shared_experts` > 0).
     - `MissingDependency` (an `ImportError`) without `safetensors`: `pip install "eqxpar[hf]"`.
     """
     if not isinstance(model, (Llama, GPT)):
