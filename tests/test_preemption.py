@@ -106,9 +106,16 @@ def preempt(recipe, nproc, directory, metrics):
             proc.wait()
 
 
-# One process of multihost is a heavy variant: two processes and one hybrid_gpt cover its path.
+# Heavy variants (make test time): one process of multihost, and hybrid_gpt in one process,
+# whose path (SIGTERM, save the current step, exit 143, resume bitwise) the pipeline recipe's
+# SIGTERM test in tests/test_recipe_resume_all.py runs by default; two processes run here.
 @pytest.mark.parametrize(
-    "recipe, nproc", [pytest.param("multihost", 1, marks=pytest.mark.thorough), ("multihost", 2), ("hybrid_gpt", 1)]
+    "recipe, nproc",
+    [
+        pytest.param("multihost", 1, marks=pytest.mark.thorough),
+        ("multihost", 2),
+        pytest.param("hybrid_gpt", 1, marks=pytest.mark.thorough),
+    ],
 )
 def test_sigterm_saves_the_current_step_and_the_resumed_run_ends_bitwise(tmp_path, recipe, nproc):
     directory = tmp_path / "ckpt"

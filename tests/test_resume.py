@@ -111,7 +111,9 @@ def dp_uninterrupted(tmp_path_factory):
     return run_recipe("data_parallel", tmp_path_factory.mktemp("dp_straight"), *DP_FLAGS)
 
 
+# A heavy variant (make test time): the same SIGKILL-then-resume path as the hybrid GPT's below.
 @pytest.mark.slow
+@pytest.mark.thorough
 def test_killed_data_parallel_run_resumes_bitwise(tmp_path, capsys, dp_uninterrupted):
     directory = tmp_path / "ckpt"
     left = kill_after_second_checkpoint("data_parallel", directory, DP_FLAGS, DP_EVERY)
