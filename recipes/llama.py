@@ -263,9 +263,7 @@ def main(argv=None) -> dict:
         "val_loss": val_loss,
         "val_losses": run_log.evals,
         "uniform_loss": math.log(text.vocab_size),
-        **eqxpar.recipe.speed_metrics(
-            run_log.per_second, flops_per_token, mesh.size, "float32"
-        ),
+        **eqxpar.recipe.speed_metrics(run_log.per_second, flops_per_token, mesh.size, "float32"),
         "param_bytes_total": params.bytes_total,
         "param_bytes_per_device": params.bytes_per_device,
         "resumed_from_step": first_step,
