@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -264,6 +265,11 @@ def run_all(mutants: list[Mutant], copy: Path, args) -> int:
         if rc == 1:
             caught += 1
             status = "caught"
+        elif rc == 0 and not re.search(r"\b[1-9]\d* passed", out):
+            # Every covering test skipped (e.g. moved under thorough): the mutant was never
+            # tested, which is not the same as surviving a test.
+            errors += 1
+            status = "NOT RUN"
         elif rc == 0:
             survived += 1
             status = "SURVIVED"
@@ -271,7 +277,7 @@ def run_all(mutants: list[Mutant], copy: Path, args) -> int:
             errors += 1
             status = "TIMEOUT" if rc is None else f"ERROR({rc})"
         print(f"{status:9} {seconds:6.1f}s  {m.name}: {m.description}", flush=True)
-        if status.startswith(("ERROR", "TIMEOUT")):
+        if status.startswith(("ERROR", "TIMEOUT", "NOT RUN")):
             print(tail(out), flush=True)
 
     summary = f"{len(mutants)} mutants: {caught} caught, {survived} survived"
