@@ -62,11 +62,23 @@ def config_json(style: str, *, scaling=LLAMA3, tie=False, **changes) -> dict:
     return config
 
 
-def hf_tensors(seed: int = 0, *, tie: bool = False, shape=SHAPE) -> dict[str, np.ndarray]:
-    """A LlamaForCausalLM state dict (float32), weights far from their initialisation."""
+def llama_mlp_tensors(prefix: str, w, shape) -> dict[str, np.ndarray]:
+    """One LlamaForCausalLM layer's SwiGLU MLP, drawn with `w(*shape)`."""
+    d, ff = shape["hidden_size"], shape["intermediate_size"]
+    return {
+        prefix + "mlp.gate_proj.weight": w(ff, d),
+        prefix + "mlp.up_proj.weight": w(ff, d),
+        prefix + "mlp.down_proj.weight": w(d, ff),
+    }
+
+
+def hf_tensors(seed: int = 0, *, tie: bool = False, shape=SHAPE, mlp=llama_mlp_tensors) -> dict[str, np.ndarray]:
+    """A LlamaForCausalLM state dict (float32), weights far from their initialisation;
+    `mlp(prefix, w, shape)` draws each layer's MLP after its attention and norms (a
+    Mixtral's experts: tests/_hf_mixtral_files.py)."""
     rng = np.random.default_rng(seed)
     d, h, kv, hd = shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
-    ff, vocab = shape["intermediate_size"], shape["vocab_size"]
+    vocab = shape["vocab_size"]
 
     def w(*s):
         return (0.2 * rng.standard_normal(s)).astype(np.float32)
@@ -85,11 +97,9 @@ def hf_tensors(seed: int = 0, *, tie: bool = False, shape=SHAPE) -> dict[str, np
                 p + "self_attn.v_proj.weight": w(kv * hd, d),
                 p + "self_attn.o_proj.weight": w(d, h * hd),
                 p + "post_attention_layernorm.weight": norm(d),
-                p + "mlp.gate_proj.weight": w(ff, d),
-                p + "mlp.up_proj.weight": w(ff, d),
-                p + "mlp.down_proj.weight": w(d, ff),
             }
         )
+        tensors.update(mlp(p, w, shape))
     tensors["model.norm.weight"] = norm(d)
     if not tie:
         tensors["lm_head.weight"] = w(vocab, d)

@@ -10,6 +10,7 @@ transformers writes a MixtralConfig, and the state dict's tensors under their na
 import math
 
 import numpy as np
+from _hf_files import hf_tensors
 
 # 8 query heads over 4 key/value heads of 8 channels (8 * 8 != hidden_size 32), 4 experts of
 # 24 units, 2 chosen per token; every width divisible by 2 (model axis) and the experts by 4.
@@ -57,39 +58,20 @@ def mixtral_config_json(*, tie: bool = False, older: bool = True, **changes) -> 
     return config
 
 
-def mixtral_tensors(seed: int = 0, *, tie: bool = False, shape=MIXTRAL_SHAPE) -> dict[str, np.ndarray]:
-    """A MixtralForCausalLM state dict (float32), weights far from their initialisation."""
-    rng = np.random.default_rng(seed)
-    d, h, kv, hd = shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
-    ff, vocab, experts = shape["intermediate_size"], shape["vocab_size"], shape["num_local_experts"]
-
-    def w(*s):
-        return (0.2 * rng.standard_normal(s)).astype(np.float32)
-
-    def norm(n):
-        return (1 + 0.3 * rng.standard_normal(n)).astype(np.float32)
-
-    tensors = {"model.embed_tokens.weight": w(vocab, d)}
-    for i in range(shape["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        tensors.update(
-            {
-                p + "input_layernorm.weight": norm(d),
-                p + "self_attn.q_proj.weight": w(h * hd, d),
-                p + "self_attn.k_proj.weight": w(kv * hd, d),
-                p + "self_attn.v_proj.weight": w(kv * hd, d),
-                p + "self_attn.o_proj.weight": w(d, h * hd),
-                p + "post_attention_layernorm.weight": norm(d),
-                p + "block_sparse_moe.gate.weight": w(experts, d),
-            }
-        )
-        for j in range(experts):
-            q = f"{p}block_sparse_moe.experts.{j}."
-            tensors.update({q + "w1.weight": w(ff, d), q + "w2.weight": w(d, ff), q + "w3.weight": w(ff, d)})
-    tensors["model.norm.weight"] = norm(d)
-    if not tie:
-        tensors["lm_head.weight"] = w(vocab, d)
+def mixtral_moe_tensors(prefix: str, w, shape) -> dict[str, np.ndarray]:
+    """One MixtralForCausalLM layer's router and experts, drawn with `w(*shape)`."""
+    d, ff = shape["hidden_size"], shape["intermediate_size"]
+    tensors = {prefix + "block_sparse_moe.gate.weight": w(shape["num_local_experts"], d)}
+    for j in range(shape["num_local_experts"]):
+        q = f"{prefix}block_sparse_moe.experts.{j}."
+        tensors.update({q + "w1.weight": w(ff, d), q + "w2.weight": w(d, ff), q + "w3.weight": w(ff, d)})
     return tensors
+
+
+def mixtral_tensors(seed: int = 0, *, tie: bool = False, shape=MIXTRAL_SHAPE) -> dict[str, np.ndarray]:
+    """A MixtralForCausalLM state dict (float32), weights far from their initialisation: the
+    Llama's, with each layer's router and experts in place of its MLP."""
+    return hf_tensors(seed, tie=tie, shape=shape, mlp=mixtral_moe_tensors)
 
 
 def _rms(x, weight, eps):
