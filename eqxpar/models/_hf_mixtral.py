@@ -20,14 +20,13 @@ layer: its `router.weight` is `gate.weight` as it is, and its stacked `gate`, `u
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ._hf_config import HfFamily, config_error, hf_config_dict, llama_config_from_hf
 from ._hf_source import Source
 from ._llama_config import LlamaConfig
-from ._moe_block import MoEOptions
+from ._moe_block import MoEOptions, is_capacity_factor
 
 __all__ = ["MIXTRAL", "mixtral_settings_from_hf", "mixtral_config_dict", "moe_source", "check_mixtral_options"]
 
@@ -139,12 +138,7 @@ def mixtral_settings_from_hf(
     if not isinstance(output_logits, bool):
         raise config_error("output_router_logits", f"must be true or false, got {output_logits!r}", "fix the value")
     weight = _round(float(coefficient) * top_k / llama.num_layers) if output_logits else 0.0
-    if capacity_factor is not None and (
-        isinstance(capacity_factor, bool)
-        or not isinstance(capacity_factor, (int, float))
-        or not math.isfinite(capacity_factor)
-        or capacity_factor <= 0
-    ):
+    if not is_capacity_factor(capacity_factor):
         raise ValueError(
             f"load_hf: capacity_factor={capacity_factor!r}; it must be a positive number, or None for the "
             f"dropless path (what transformers computes)."

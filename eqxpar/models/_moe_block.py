@@ -43,6 +43,13 @@ from ._block import TransformerBlock, sequence_dropout, split_keys
 __all__ = ["MoEOptions", "MoEBlock", "moe_aux_loss"]
 
 
+def is_capacity_factor(value: Any) -> bool:
+    """Whether `value` is an expert capacity factor: None (dropless) or a positive finite number."""
+    return value is None or (
+        not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class MoEOptions:
     """The mixture-of-experts options of a [`eqxpar.models.GPT`][] (`GPT(..., moe=...)`).
@@ -95,9 +102,7 @@ class MoEOptions:
                 f"chooses top_k different experts. Choose top_k <= {self.num_experts}, or more experts."
             )
         factor = self.capacity_factor
-        if factor is not None and (
-            isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0
-        ):
+        if not is_capacity_factor(factor):
             raise ValueError(
                 f"{who}.capacity_factor={factor!r}; it must be a positive number (1.25 is usual; 1.0 is "
                 f"exactly an even share), or None for the dropless path."
