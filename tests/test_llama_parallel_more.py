@@ -23,12 +23,12 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from _budget import THOROUGH
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
+from test_llama import keeping_gradients, sgd_momentum
 
 import eqxpar
 import eqxpar.nn
@@ -63,24 +63,6 @@ def tiny_llama(seed: int, num_kv_heads: int, tie: bool, *, scan: bool = True, la
 def token_batches(seed: int) -> list[jnp.ndarray]:
     keys = jax.random.split(jax.random.key(seed), STEPS)
     return [jax.random.randint(k, (BATCH, SEQ + 1), 0, VOCAB, dtype=jnp.int32) for k in keys]
-
-
-def sgd_momentum() -> optax.GradientTransformation:
-    # Not Adam: a gradient off by a constant factor (a doubled or dropped psum) would hide.
-    return optax.sgd(0.1, momentum=0.9)
-
-
-def keeping_gradients(optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
-    """`optimizer` that keeps the last gradient it was given in its state (`state[0]`)."""
-
-    def init(params):
-        return jax.tree.map(jnp.zeros_like, params), optimizer.init(params)
-
-    def update(updates, state, params=None):
-        new_updates, inner = optimizer.update(updates, state[1], params)
-        return new_updates, (updates, inner)
-
-    return optax.GradientTransformation(init, update)
 
 
 OPTIMIZER = keeping_gradients(sgd_momentum())
