@@ -11,7 +11,6 @@ from test_moe_train import expert_parity
 
 import eqxpar
 from eqxpar.models import Llama, LlamaConfig, LlamaMoEBlock, MoEOptions, llama_loss
-from eqxpar.train import hybrid_step
 
 CONFIG = LlamaConfig(vocab_size=32, dim=16, num_layers=2, num_heads=2, num_kv_heads=2, hidden_dim=32, max_seq_len=8)
 
@@ -31,7 +30,7 @@ def test_moe_llama_with_an_expert_axis_equals_one_device():
     assert [type(b).__name__ for b in model.layers] == ["LlamaBlock", "LlamaMoEBlock"]
     mesh = eqxpar.make_mesh(data=2, expert=4, model=1)
     tokens = np.random.default_rng(0).integers(0, 32, size=(8, 9)).astype(np.int32)
-    expert_parity(model, loss_fn, mesh, tokens, builder=hybrid_step)
+    expert_parity(model, loss_fn, mesh, tokens, strategy="hybrid")
 
 
 def test_the_llama_reports_its_moe_layers_aux():

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from test_moe_train import expert_parity
+from test_moe_gpt import gpt_parity
 
 import eqxpar
 from eqxpar.models import (
@@ -56,9 +56,7 @@ def test_moe_gpt_with_shared_experts_on_data_expert_model_equals_one_device():
     attention's); loss with aux losses, gradients and parameters after 2 steps."""
     mesh = eqxpar.make_mesh(data=2, expert=2, model=2)
     model = moe_gpt(shared=1)
-    errors = expert_parity(
-        model, lambda m, b, key: next_token_loss(m, b, key=key), mesh, tokens(8), builder=hybrid_step
-    )
+    errors = gpt_parity(model, lambda m, b, key: next_token_loss(m, b, key=key), mesh, tokens(8), builder=hybrid_step)
     print("worst relative differences |x - y| / (|y| + 1e-6):", errors)
 
 

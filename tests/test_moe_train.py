@@ -4,8 +4,8 @@ sequences and holding its experts. The same losses (cross-entropy plus the auxil
 losses), gradients and parameters after two SGD-with-momentum steps as one device; the
 all-to-all bytes of the theory in the compiled step; bad input named before compile.
 
-`expert_parity` (the one-device reference against a builder's step with an expert axis)
-is shared with tests/test_moe_gpt.py.
+`expert_parity` (`eqxpar.testing.check_parallel_parity` with an expert axis, and the loss
+going down) is shared with tests/test_moe_llama.py.
 """
 
 import functools
@@ -19,12 +19,11 @@ import pytest
 from _budget import examples
 from hypothesis import example, given
 from hypothesis import strategies as st
-from jax.sharding import PartitionSpec as P
 
 import eqxpar
 from eqxpar import nn
 from eqxpar.inspect import CommReport, expert_parallel_theory
-from eqxpar.testing import F32_ATOL, F32_RTOL, assert_trees_close, check_parallel_parity, mesh_sizes
+from eqxpar.testing import check_parallel_parity, mesh_sizes
 from eqxpar.train import data_parallel_step, fsdp_step, hybrid_step, shard_batch
 
 VOCAB, DIM, HIDDEN, SEQ = 16, 8, 16, 6
@@ -67,84 +66,17 @@ def token_batch(size, seed):
     return tokens, np.roll(tokens, -1, axis=1)
 
 
-def _copy(tree):
-    return jax.tree.map(lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, tree)
-
-
-def expert_parity(
-    model,
-    loss_fn,
-    mesh,
-    batch,
-    *,
-    builder=data_parallel_step,
-    steps=2,
-    rtol=F32_RTOL,
-    atol=F32_ATOL,
-    param_specs="partition",
-    **step_options,
-):
-    """Train `model` `steps` SGD-with-momentum steps with `builder(..., expert_axis="expert")`
-    on `mesh` and on one device (plain `eqx.filter_value_and_grad` in a one-device
-    shard_map with the same axis names, all of size 1), and assert the losses, the first
-    step's gradients and the parameters after the last step agree. Returns the largest
-    relative differences seen, `{"loss": ..., "gradients": ..., "parameters": ...}`."""
+def expert_parity(model, loss_fn, mesh, batch, *, strategy):
+    """`check_parallel_parity` with `expert_axis="expert"` (the batch split over the batch
+    axes and `expert`, each device holding its experts) against one device: the losses, the
+    first step's gradients and the parameters after two SGD-with-momentum steps, within
+    float32's tolerances; and the loss goes down."""
     optimizer = optax.sgd(0.05, momentum=0.9)
-    one = eqxpar.make_mesh(**dict.fromkeys(mesh.axis_names, 1))
-    per_device = eqxpar.filter_shard_map(lambda m, b: loss_fn(m, b, None), mesh=one, in_specs=(P(), P()), out_specs=P())
-
-    @eqx.filter_jit
-    def dense_step(model, opt_state, batch):
-        loss, grads = eqx.filter_value_and_grad(per_device)(model, batch)
-        updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
-        return eqx.apply_updates(model, updates), opt_state, loss, grads
-
-    dense = _copy(model)
-    dense_opt = optimizer.init(eqx.filter(dense, eqx.is_inexact_array))
-    dense_losses = []
-    for i in range(steps):
-        dense, dense_opt, loss, grads = dense_step(dense, dense_opt, batch)
-        dense_losses.append(loss)
-        if i == 0:
-            dense_grads = grads
-
-    # The parallel step, its optimizer keeping the gradient it was given in its state.
-    keeping = optax.GradientTransformation(
-        lambda params: (jax.tree.map(jnp.zeros_like, params), optimizer.init(params)),
-        lambda updates, state, params=None: (
-            optimizer.update(updates, state[1], params)[0],
-            (updates, optimizer.update(updates, state[1], params)[1]),
-        ),
+    report = check_parallel_parity(
+        model, model, loss_fn, optimizer, mesh, batch, strategy=strategy, expert_axis="expert", steps=2
     )
-    if param_specs == "partition":
-        step_options["param_specs"] = nn.partition_specs(model, mesh)
-    step = builder(loss_fn, keeping, mesh, expert_axis="expert", **step_options)
-    parallel, opt_state = step.init(_copy(model))
-    placed = shard_batch(batch, mesh, batch_axis=step.batch_axis)
-    losses = []
-    for i in range(steps):
-        parallel, opt_state, metrics = step(parallel, opt_state, placed)
-        losses.append(metrics["loss"])
-        if i == 0:
-            grads = _copy(opt_state[0])
-
-    def worst(a, b):
-        pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b))
-        return max(
-            float(np.max(np.abs(np.asarray(x) - np.asarray(y)) / (np.abs(np.asarray(y)) + atol))) for x, y in pairs
-        )
-
-    dense_params = eqx.filter(dense, eqx.is_inexact_array)
-    parallel_params = eqx.filter(parallel, eqx.is_inexact_array)
-    assert_trees_close(jnp.stack(losses), jnp.stack(dense_losses), rtol=rtol, atol=atol, what="losses")
-    assert_trees_close(grads, dense_grads, rtol=rtol, atol=atol, what="gradients")
-    assert_trees_close(parallel_params, dense_params, rtol=rtol, atol=atol, what="parameters")
-    assert float(losses[-1]) < float(losses[0])
-    return {
-        "loss": worst(losses, dense_losses),
-        "gradients": worst(grads, dense_grads),
-        "parameters": worst(parallel_params, dense_params),
-    }
+    assert report.losses[-1] < report.losses[0], report
+    return report
 
 
 @examples(1)  # and the two pinned below: each example compiles a parallel and a one-device step
@@ -161,22 +93,21 @@ def test_step_with_an_expert_axis_equals_one_device(sizes, experts_per_device, t
     mesh = eqxpar.make_mesh(**sizes)
     experts = sizes["expert"] * experts_per_device
     model = TinyMoEModel(experts, min(top_k, experts), capacity_factor, key=jax.random.key(seed))
-    expert_parity(model, loss_fn, mesh, token_batch(2 * sizes["data"] * sizes["expert"], seed))
+    expert_parity(model, loss_fn, mesh, token_batch(2 * sizes["data"] * sizes["expert"], seed), strategy="data")
 
 
 @pytest.mark.thorough
-@pytest.mark.parametrize("builder", [hybrid_step, fsdp_step])
-def test_hybrid_and_fsdp_steps_take_an_expert_axis(builder):
-    """The same on the two other builders: fsdp_step splits the router, embedding and head
-    over `fsdp` as well (gathered, reduce-scattered) and keeps the experts on their devices."""
-    if builder is hybrid_step:
+@pytest.mark.parametrize("strategy", ["hybrid", "fsdp"])
+def test_hybrid_and_fsdp_steps_take_an_expert_axis(strategy):
+    """The same on the two other builders: fsdp_step (the batch over `fsdp`, fsdp_step's own
+    param_specs) splits the router, embedding and head over `fsdp` as well (gathered,
+    reduce-scattered) and keeps the experts on their devices."""
+    if strategy == "hybrid":
         mesh = eqxpar.make_mesh(data=2, expert=2, model=2)
-        options = {}
     else:
         mesh = eqxpar.make_mesh(fsdp=2, expert=4)
-        options = {"batch_axis": "fsdp", "param_specs": None}
     model = TinyMoEModel(4, 2, 1.0, key=jax.random.key(3))
-    expert_parity(model, loss_fn, mesh, token_batch(16, 3), builder=builder, **options)
+    expert_parity(model, loss_fn, mesh, token_batch(16, 3), strategy=strategy)
 
 
 @functools.cache
