@@ -17,79 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hypothesis import example, given, settings
+from _budget import THOROUGH
+from _plain_layers import DIM, HEAD_DIM, HEADS, SEQ, VOCAB, Attention, RMSNorm, SwiGLU
+from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
 import eqxpar
 from eqxpar.testing import check_parallel_parity
-
-VOCAB, DIM, HEADS, HEAD_DIM, HIDDEN, SEQ = 32, 32, 4, 8, 48, 8
-
-
-def rope(x):
-    """Rotary embedding, half-rotation form, on `(seq, heads, head_dim)`."""
-    seq, _, dim = x.shape
-    freq = 1.0 / (10000.0 ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
-    angle = np.arange(seq, dtype=np.float32)[:, None] * freq[None, :]  # (seq, dim/2)
-    cos, sin = jnp.asarray(np.cos(angle))[:, None, :], jnp.asarray(np.sin(angle))[:, None, :]
-    a, b = x[..., : dim // 2], x[..., dim // 2 :]
-    return jnp.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
-
-
-class RMSNorm(eqx.Module):
-    weight: jax.Array
-
-    def __init__(self, dim):
-        self.weight = jnp.ones((dim,), jnp.float32)
-
-    def __call__(self, x):
-        return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * self.weight
-
-
-class Attention(eqx.Module):
-    q: eqx.nn.Linear
-    k: eqx.nn.Linear
-    v: eqx.nn.Linear
-    o: eqx.nn.Linear
-    heads: int = eqx.field(static=True)
-    kv_heads: int = eqx.field(static=True)
-
-    def __init__(self, kv_heads, *, key):
-        kq, kk, kv, ko = jax.random.split(key, 4)
-        self.q = eqx.nn.Linear(DIM, HEADS * HEAD_DIM, use_bias=False, key=kq)
-        self.k = eqx.nn.Linear(DIM, kv_heads * HEAD_DIM, use_bias=False, key=kk)
-        self.v = eqx.nn.Linear(DIM, kv_heads * HEAD_DIM, use_bias=False, key=kv)
-        self.o = eqx.nn.Linear(HEADS * HEAD_DIM, DIM, use_bias=False, key=ko)
-        self.heads, self.kv_heads = HEADS, kv_heads
-
-    def __call__(self, x):
-        seq = x.shape[0]
-        # Heads by -1: under tensor parallelism each device holds heads / model of them.
-        q = rope(jax.vmap(self.q)(x).reshape(seq, -1, HEAD_DIM))
-        k = rope(jax.vmap(self.k)(x).reshape(seq, -1, HEAD_DIM))
-        v = jax.vmap(self.v)(x).reshape(seq, -1, HEAD_DIM)
-        group = self.heads // self.kv_heads
-        k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
-        logits = jnp.einsum("qhd,khd->hqk", q, k) / math.sqrt(HEAD_DIM)
-        causal = jnp.tril(jnp.ones((seq, seq), bool))[None]
-        weights = jax.nn.softmax(jnp.where(causal, logits, -1e30), axis=-1)
-        out = jnp.einsum("hqk,khd->qhd", weights, v).reshape(seq, -1)
-        return jax.vmap(self.o)(out)
-
-
-class SwiGLU(eqx.Module):
-    gate: eqx.nn.Linear
-    up: eqx.nn.Linear
-    down: eqx.nn.Linear
-
-    def __init__(self, *, key):
-        kg, ku, kd = jax.random.split(key, 3)
-        self.gate = eqx.nn.Linear(DIM, HIDDEN, use_bias=False, key=kg)
-        self.up = eqx.nn.Linear(DIM, HIDDEN, use_bias=False, key=ku)
-        self.down = eqx.nn.Linear(HIDDEN, DIM, use_bias=False, key=kd)
-
-    def __call__(self, x):
-        return jax.vmap(self.down)(jax.nn.silu(jax.vmap(self.gate)(x)) * jax.vmap(self.up)(x))
 
 
 class Block(eqx.Module):
@@ -152,7 +86,14 @@ def loss_fn(model, batch, key):
 pytestmark = pytest.mark.allow_rank_promotion
 
 
-@settings(max_examples=1, deadline=None)  # + the 3 pinned layouts: make test stays near 15 min
+# The default run takes the 3 pinned layouts only (make test stays near 15 min); drawn seeds
+# and layouts under HYPOTHESIS_PROFILE=thorough, and test_parallelize_drawn.py draws whole
+# structures built from these layers.
+@settings(
+    max_examples=20 if THOROUGH else 1,
+    phases=settings().phases if THOROUGH else (Phase.explicit,),
+    deadline=None,
+)
 @given(
     case=st.sampled_from(
         [
