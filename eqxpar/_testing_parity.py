@@ -86,6 +86,7 @@ def check_parallel_parity(
     batch_axis: Any = None,
     strategy: str | None = None,
     expert_axis: str | None = None,
+    units: Callable[[PyTree], Any] | None = None,
     steps: int = 1,
     rtol: float = F32_RTOL,
     atol: float = F32_ATOL,
@@ -129,6 +130,8 @@ def check_parallel_parity(
     - `expert_axis`: the mesh axis a mixture-of-experts model's experts are split over,
       passed to the step builder (which splits the batch over it too); default `"expert"`
       on a mesh with an axis of that name, else none.
+    - `units`: under `"fsdp"`, the layers gathered one at a time when called, as in
+      [`eqxpar.train.fsdp_step`][] (default None: all parameters gathered at the start).
     - `steps`: how many optimizer steps to compare (on the same batch).
     - `rtol`, `atol`: the tolerance per entry (float32 defaults, see `F32_RTOL`).
 
@@ -141,11 +144,18 @@ def check_parallel_parity(
     - `AssertionError` listing every loss, gradient and parameter leaf that differs beyond
       the tolerance, with its path, the number of entries off and the worst one.
     - `ValueError` if `parallel_model` is not a parallel form of `dense_model` (different
-      structure once made dense, or different starting parameters), or `steps < 1`.
+      structure once made dense, or different starting parameters), `steps < 1`, or
+      `units` under a strategy other than `"fsdp"`.
     """
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"check_parallel_parity: steps must be a positive integer, got {steps!r}.")
     strategy, batch_axis = _strategy(mesh, strategy, batch_axis)
+    if units is not None and strategy != "fsdp":
+        raise ValueError(
+            f"check_parallel_parity: units= is for strategy='fsdp' (layers gathered one at a time), "
+            f"got strategy={strategy!r}. Drop units, or check under strategy='fsdp' on a mesh with an "
+            f"'fsdp' axis."
+        )
     if expert_axis is None and "expert" in mesh.axis_names:
         expert_axis = "expert"
     as_dense = to_dense(parallel_model)
@@ -207,7 +217,10 @@ def check_parallel_parity(
     if param_specs is None and strategy != "fsdp":  # fsdp_step's own default adds the fsdp split
         param_specs = partition_specs(parallel_model, mesh)
     build = {"fsdp": fsdp_step, "hybrid": hybrid_step, "data": data_parallel_step}[strategy]
-    step = build(loss_fn, keeping, mesh, param_specs=param_specs, batch_axis=batch_axis, expert_axis=expert_axis)
+    options = {} if units is None else {"units": units}
+    step = build(
+        loss_fn, keeping, mesh, param_specs=param_specs, batch_axis=batch_axis, expert_axis=expert_axis, **options
+    )
     placed = shard_batch(batch, mesh, batch_axis=step.batch_axis)  # with an expert axis, split over it too
     model, opt_state = step.init(_copy(parallel_model))
     losses = []
