@@ -248,3 +248,12 @@ def test_fsdp_gathers_a_stacked_users_own_norm_one_layer_at_a_time():
         dense, parallel, loss_fn, optax.sgd(0.1, momentum=0.9), mesh, tokens, units=units, steps=2
     )
     assert report.losses[1] < report.losses[0]
+
+
+def test_units_outside_fsdp_are_refused():
+    dense = DrawnModel(Structure((("separate", "gelu"),), 2, False), key=jax.random.key(0))
+    tokens = np.zeros((4, SEQ + 1), np.int32)
+    with pytest.raises(ValueError, match=r"units= is for strategy='fsdp'.*got strategy='hybrid'"):
+        check_parallel_parity(
+            dense, dense, loss_fn, optax.sgd(0.1), eqxpar.make_mesh(data=2, model=2), tokens, units=lambda m: m.blocks
+        )
