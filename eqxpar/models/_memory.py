@@ -21,6 +21,15 @@ with sequence parallelism, `T` without), width `d`, `H` heads of `d_h`, MLP widt
 
 Outside the blocks: the final norm, the head's input and the cross-entropy's softmax over
 this device's vocabulary block (the least the backward pass reads).
+
+A GPT with `moe=` (every block an MoE block, `every=1`): the batch is split over the expert
+axis too, so `b` counts the examples per device over `data x expert`. The attention half
+keeps the terms above; the MLP terms are the shared experts' (`MoEOptions.shared_experts`,
+a dense MLP; none without them): the routed experts' einsums carry no remat name, so
+`"block"` and `"save_matmuls"` recompute them. Each block's term of the loss (a weight
+times a mean over the routing groups, per auxiliary loss) keeps two float32 constants,
+four with a z-loss. Under `remat="none"` the routed experts' own arrays (router
+probabilities, dispatched tokens, expert hidden layers) are not counted: a lower bound.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from jax.sharding import Mesh
 
 from .._specs import AxisNames
 from ..inspect import ActivationTerm, ActivationTheory
+from ..nn import StackedLayers
 from ._step_sizes import gpt_step_sizes
 
 _CONTEXT_IMPLS = ("ring", "all_gather")
@@ -66,7 +76,8 @@ def gpt_activation_theory(
     - `mesh`: the step's mesh, with the GPT's model axis.
     - `batch_size`: the global batch size (sequences per micro-batch).
     - `seq_len`: positions per sequence the model reads.
-    - `batch_axis`: the axis (or axes) the batch is split over, if any.
+    - `batch_axis`: the axis (or axes) the batch is split over, if any (with `moe=`, the
+      expert axis too: `("data", "expert")`).
     - `context_axis`: the axis every sequence is split over (context parallelism): needed
       exactly when the GPT's `attention_impl` is `"ring"` or `"all_gather"`.
     - `dtype`: the dtype the model computes in (default: its parameters' dtype; pass
@@ -79,8 +90,9 @@ def gpt_activation_theory(
     **Raises:**
 
     - `ValueError` if `model` is not a GPT, the mesh lacks an axis, sizes do not split, the
-      context axis does not match the attention, or for `remat="offload"` (its saved
-      arrays live in host memory, which this does not model).
+      context axis does not match the attention, for `remat="offload"` (its saved arrays
+      live in host memory, which this does not model), or for an MoE GPT with
+      `moe.every > 1` (plain and MoE blocks keep different bytes).
     """
     who = "gpt_activation_theory"
     sizes = gpt_step_sizes(who, model, mesh, batch_size, seq_len, batch_axis=batch_axis, context_axis=context_axis)
@@ -103,7 +115,14 @@ def gpt_activation_theory(
     if model.sequence_parallel and s_c % n:
         raise ValueError(f"{who}: sequence_parallel splits {s_c} positions over model={n}, which does not divide them.")
 
-    block = model.blocks.layers if model.scan_layers else model.blocks[0]
+    moe = getattr(model, "moe", None)
+    if moe is not None and moe.every != 1:
+        raise ValueError(
+            f"{who}: the GPT's moe.every={moe.every} mixes MoE and plain blocks, which keep different "
+            f"bytes; this theory models a GPT whose every block is an MoE block (every=1) or none is."
+        )
+    # Stacked (scan_layers, or an MoE GPT after stack_blocks): one block with a layer axis.
+    block = model.blocks.layers if isinstance(model.blocks, StackedLayers) else model.blocks[0]
     attention = block.attention
     e = np.dtype(dtype or model.position_embedding.weight.dtype).itemsize
     f32 = np.dtype(jnp.float32).itemsize
@@ -112,7 +131,10 @@ def gpt_activation_theory(
     dim = model.position_embedding.weight.shape[-1]
     heads = attention.num_heads // n
     qk, vo = heads * attention.qk_size, heads * attention.vo_size  # per device, per token
-    hidden = block.mlp.hidden.weight.shape[-2] // n
+    # An MoE block's dense MLP is its shared experts' (none: 0); its routed experts are
+    # einsums no remat policy names, recomputed under "block" and "save_matmuls".
+    mlp = block.shared_experts if moe is not None else block.mlp
+    hidden = 0 if mlp is None else mlp.hidden.weight.shape[-2] // n
     residual_dropout = _active(model.dropout.p)
     layers = model.num_layers
     # Context-parallel attention computes its scores and products in float32.
@@ -126,8 +148,12 @@ def gpt_activation_theory(
     any_dropout = residual_dropout or (_active(attention.dropout.p) and not context)
     key_bytes = jax.eval_shape(lambda: jax.random.key(0)).dtype.itemsize if any_dropout else 0
     block_key = per_block("the block's dropout key (masks are drawn again)", key_bytes)
+    # Each MoE block's term of the loss (`weighted_aux`: a weight times a mean over the
+    # routing groups, per auxiliary loss) keeps its two float32 constants for the backward.
+    aux_terms = 0 if moe is None else 2 if moe.z_loss_weight else 1
+    block_aux = per_block("MoE auxiliary-loss weight and mean divisor per loss term (float32)", aux_terms * 2 * f32)
     if model.remat == "block":
-        blocks = (block_input, block_key)
+        blocks = (block_input, block_key, block_aux)
     elif model.remat == "save_matmuls":
         blocks = (
             block_input,
@@ -135,6 +161,7 @@ def gpt_activation_theory(
             per_block("q, k, v (column-parallel outputs)", t * (2 * qk + vo) * e),
             per_block("output projection (partial sums, before the model-axis sum)", t * dim * e),
             per_block("MLP hidden layer (column-parallel output)", t * hidden * e),
+            block_aux,
         )
     else:
         if model.attention_impl == "ring":
@@ -153,6 +180,7 @@ def gpt_activation_theory(
             per_block("keys and values gathered over the context axis", gathered),
             per_block("attention output (output projection input)", t * vo * e),
             per_block("MLP hidden layer, before and after the activation", 2 * t * hidden * e),
+            block_aux,
             per_block("residual dropout masks", 2 * t_r * dim if residual_dropout else 0),
             per_block("attention dropout mask", b * heads * s_c * seq_len if attention_dropout else 0),
         )
