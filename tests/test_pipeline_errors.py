@@ -52,6 +52,19 @@ def test_layers_that_do_not_split_and_unstacked_blocks(mesh):
         step.init(unstacked)
 
 
+def test_a_sequence_parallel_gpt_is_refused():
+    """Megatron SP splits the residual stream's sequence over the model axis; the pipeline
+    carries whole sequences between stages. Before, JAX's "Incompatible types for
+    broadcasting" came out of the first step."""
+    step = pipeline_step(gpt_stages(), OPT, eqxpar.make_mesh(stage=2, data=2, model=2), microbatches=2)
+    model = GPT(
+        16, 4, dim=8, num_heads=2, num_layers=2, scan_layers=True, sequence_parallel=True, pad_vocab_to_multiple_of=8,
+        key=jax.random.key(0),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="sequence_parallel=True cannot be pipelined yet"):
+        step.init(model)
+
+
 def test_batch_that_does_not_split_into_micro_batches(mesh):
     step = pipeline_step(gpt_stages(), OPT, mesh, microbatches=3)
     model = GPT(

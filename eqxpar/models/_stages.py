@@ -74,6 +74,12 @@ def gpt_stages(model: Any = None) -> Stages:
                 f"gpt_stages: these Stages were made by {made}, but the GPT has moe={given}; the auxiliary "
                 f"losses are weighted by the GPT's moe options: build them with gpt_stages(model) for this model."
             )
+        if model.sequence_parallel:
+            raise ValueError(
+                "gpt_stages: a GPT with sequence_parallel=True cannot be pipelined yet (the pipeline carries "
+                "whole sequences between stages); build it with sequence_parallel=False (tensor parallelism over "
+                "the model axis still splits the blocks inside the stages)."
+            )
         if not model.scan_layers:
             raise ValueError(
                 "gpt_stages: the GPT's blocks must be stacked to split them over stages: build it "
