@@ -20,6 +20,7 @@ Run it:
     python recipes/long_context.py --mesh data=1,context=1,model=1  # one device, the same losses
     python recipes/long_context.py --attention all_gather --metrics-out /tmp/lc.json
     python recipes/long_context.py --sequence-parallel                 # + Megatron SP over model
+    python recipes/long_context.py --layout auto   # the planner's fastest mesh, attention, SP, remat
     python recipes/long_context.py --checkpoint-dir /tmp/lc --checkpoint-every 5 --resume
 
 The same seed gives the same losses on every mesh (up to float rounding).
@@ -39,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 import eqxpar
 import eqxpar.recipe
 from eqxpar.datasets import python_source_text, text_windows
-from eqxpar.inspect import CommReport, context_parallel_theory, data_parallel_theory
+from eqxpar.inspect import CommReport, MemoryReport, context_parallel_theory, data_parallel_theory
 from eqxpar.models import GPT, gpt_activation_theory, gpt_tensor_parallel_theory
 from eqxpar.nn import layout_order, vocab_parallel_cross_entropy
 
@@ -47,7 +48,9 @@ MODES = ("ring", "all_gather")
 
 
 @dataclasses.dataclass
-class Config(eqxpar.recipe.CheckpointFlags, eqxpar.recipe.LogFlags):  # + checkpoint flags, --log-dir, --log-every
+class Config(
+    eqxpar.recipe.CheckpointFlags, eqxpar.recipe.LogFlags, eqxpar.recipe.LayoutFlags
+):  # + checkpoint flags, --log-dir, --log-every, --layout, --memory-per-device
     devices: int = 8  # simulated CPU devices when there is no accelerator
     mesh: str = "auto"  # data, context and model axes, e.g. data=2,context=2,model=2; auto: fit the devices
     attention: Literal["ring", "all_gather"] = "ring"  # ring: K/V blocks passed on; all_gather: K/V gathered per layer
@@ -78,6 +81,8 @@ def check_flags(cfg: Config) -> Config:
     if not cfg.learning_rate > 0:
         raise ValueError(f"--learning-rate must be positive, got {cfg.learning_rate}.")
     eqxpar.simulate_cpu_devices(cfg.devices)  # before JAX touches a backend
+    if cfg.layout == "auto":  # the planner chooses the mesh (in main), and checks what divides what
+        return cfg
     # The zigzag layout cuts each sequence into 2 x context chunks.
     sizes = eqxpar.recipe.mesh_from_flag(
         cfg.mesh,
@@ -103,18 +108,42 @@ def check_flags(cfg: Config) -> Config:
 
 def main(argv=None) -> dict:
     cfg = eqxpar.recipe.parse_flags(Config, argv, validate=check_flags)  # bad flags: one line, exit 2
-    # Checks --checkpoint-dir now, before anything compiles: checkpoints there need --resume,
-    # and --resume needs the saved model's --seq-len, --dim and --layers; else one line, exit 2.
-    with eqxpar.recipe.flag_errors():
-        ckpt = eqxpar.checkpoint.Checkpointer.from_config(cfg, shape_fields=("seq_len", "dim", "layers", "scan_layers"))
-    mesh = eqxpar.make_mesh(**eqxpar.parse_mesh(cfg.mesh))
-    c = mesh.shape["context"]
-
     # --- Data: windows of Python source; each step's batch depends on (seed, step) only.
     # The last 10% of the text is held out. ---
     text = python_source_text()
     split = int(0.9 * len(text.ids))
     train_ids, val_ids = text.ids[:split], text.ids[split:]
+
+    # --- Layout (--layout auto): the planner prices every data x context x model layout of
+    # these devices, with each remat policy, ring and all-gather attention, and with and
+    # without sequence parallelism, from the shapes alone (eqxpar.plan: exact collective
+    # and memory theories, a roofline for time); it prints the fastest that fit
+    # --memory-per-device with why, and the recipe runs the first: its mesh, attention,
+    # sequence parallelism and remat replace the flags', and its GPT has scanned blocks, as
+    # the planner builds and prices it (unrolled, XLA merges some of remat's recomputed
+    # collectives with the forward pass's, and the step would move fewer bytes than the
+    # plan says). A plan with context=1 runs whole sequences: attention "dot_product". ---
+    with eqxpar.recipe.flag_errors():  # nothing fits, or no layout divides the batch: one line, exit 2
+        cfg, plan = eqxpar.recipe.auto_layout(
+            cfg,
+            vocab_size=text.vocab_size,
+            axes=("data", "context", "model"),
+            seq_field="seq_len",
+            sequence_parallel=True,
+        )
+    if plan is not None:
+        cfg = dataclasses.replace(cfg, scan_layers=True)
+
+    # Checks --checkpoint-dir now, before anything compiles (and after the plan, so that
+    # checkpoints record the layout that ran): checkpoints there need --resume, and
+    # --resume needs the saved model's --seq-len, --dim, --layers and --scan-layers; else
+    # one line, exit 2.
+    with eqxpar.recipe.flag_errors():
+        ckpt = eqxpar.checkpoint.Checkpointer.from_config(cfg, shape_fields=("seq_len", "dim", "layers", "scan_layers"))
+    mesh = eqxpar.make_mesh(**eqxpar.parse_mesh(cfg.mesh))
+    c = mesh.shape["context"]
+    # Else a plan's "dot_product" on context=1: whole sequences, no context axis in the step.
+    context_axis = "context" if cfg.attention in MODES else None
     # The zigzag layout: put each sequence in the order the devices hold it, then split.
     order = layout_order(cfg.seq_len, c, "zigzag")
 
@@ -146,36 +175,39 @@ def main(argv=None) -> dict:
         return jnp.mean(vocab_parallel_cross_entropy(logits, targets, model.axis_name, model.vocab_size))
 
     step = eqxpar.train.hybrid_step(
-        loss_fn, optax.adamw(cfg.learning_rate), mesh, batch_axis="data", context_axis="context"
+        loss_fn, optax.adamw(cfg.learning_rate), mesh, batch_axis="data", context_axis=context_axis
     )
     model, opt_state = step.init(model)
 
     # --- What one step moves and keeps, read from the compiled program, against theory. ---
     lowered = step.lower(model, opt_state, batch(0))
-    temp_bytes = lowered.compile().memory_analysis().temp_size_in_bytes
+    compiled = lowered.compile()
+    temp_bytes = compiled.memory_analysis().temp_size_in_bytes
+    memory = MemoryReport.of(compiled, model, opt_state, batch(0))
     # Activation memory: what autodiff keeps for the backward pass (traced), and its theory.
     saved_bytes = step.saved_activation_bytes(model, opt_state, batch(0))
     activations = gpt_activation_theory(
-        model, mesh, cfg.batch_size, cfg.seq_len, batch_axis="data", context_axis="context"
+        model, mesh, cfg.batch_size, cfg.seq_len, batch_axis="data", context_axis=context_axis
     )
-    comm = CommReport.of(lowered, mesh=mesh)
+    comm = CommReport.of(lowered, compiled, mesh=mesh)
     # The theory, axis by axis: the gradient all-reduce over data and context, the
     # tensor-parallel (or sequence-parallel) layers over model, the K/V traffic over context.
     # Remat runs forward collectives again in the backward pass: under "block" all of a
     # block's; under "save_matmuls" those whose results are not the linear layers' matmul
     # outputs (the model axis's sums and gathers, and attention's K/V traffic).
-    theory = (
-        data_parallel_theory(model, mesh, eqxpar.nn.partition_specs(model, mesh), batch_axis=("data", "context"))
-        + gpt_tensor_parallel_theory(
-            model,
-            mesh,
-            cfg.batch_size,
-            cfg.seq_len,
-            batch_axis="data",
-            context_axis="context",
-            remat=cfg.remat != "none",
-        )
-        + context_parallel_theory(
+    theory = data_parallel_theory(
+        model, mesh, eqxpar.nn.partition_specs(model, mesh), batch_axis=("data", "context")
+    ) + gpt_tensor_parallel_theory(
+        model,
+        mesh,
+        cfg.batch_size,
+        cfg.seq_len,
+        batch_axis="data",
+        context_axis=context_axis,
+        remat=cfg.remat != "none",
+    )
+    if context_axis:
+        theory += context_parallel_theory(
             mesh,
             batch=cfg.batch_size,
             seq_len=cfg.seq_len,
@@ -186,7 +218,6 @@ def main(argv=None) -> dict:
             model_axis="model",
             remat=cfg.remat != "none",
         )
-    )
     comparison = comm.versus(theory)
     if eqxpar.recipe.is_main_process():
         print(f"mesh {dict(mesh.shape)}, {cfg.seq_len} characters per sequence, {cfg.seq_len // c} per device")
@@ -248,6 +279,9 @@ def main(argv=None) -> dict:
         "comm_ratio": comparison.ratio() if comparison.rows else None,  # measured / theory, all bytes
         "resumed_from_step": first_step,
         "param_digest": eqxpar.recipe.parameter_digest(model),
+        # The layout run ("data=2,context=2,model=2 remat=none ring"), and the plan's
+        # predicted bytes per device (with --layout auto; else null) beside the compiled step's.
+        **eqxpar.recipe.layout_metrics(cfg, plan, comm, memory),
     }
     if eqxpar.recipe.is_main_process():
         print(f"{cfg.mesh} ({cfg.attention}): loss {losses[0]:.4f} -> {losses[-1]:.4f}, held-out {val_loss:.4f}")

@@ -43,7 +43,7 @@ def test_the_choice_flags():
     assert found["hybrid_gpt"] == sorted([*gpt, "layout"])  # --layout mesh|auto (the planner)
     assert choices(load_recipe("hybrid_gpt").Config)["layout"] == ("mesh", "auto")
     assert found["fsdp"] == ["attention", "dtype"]
-    assert found["long_context"] == ["attention", "remat"]
+    assert found["long_context"] == ["attention", "layout", "remat"]  # --layout mesh|auto (the planner)
     assert found["pipeline_gpt"] == ["layout", "schedule"]  # --layout mesh|auto (the planner)
 
 

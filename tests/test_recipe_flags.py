@@ -141,6 +141,11 @@ INPROCESS_CASES = [
     ("hybrid_gpt", ["--mesh", "data=1,model=3"], "model=3 does not divide --heads 8"),
     ("hybrid_gpt", ["--resume"], "--resume needs --checkpoint-dir"),
     ("hybrid_gpt", ["--steps"], "Missing value for argument '--steps'"),
+    (
+        "long_context",
+        ["--layout", "auto", "--mesh", "data=2,context=2,model=2"],
+        "--layout auto chooses the mesh itself: drop --mesh data=2,context=2,model=2",
+    ),
     ("fsdp", ["--mesh", "data=8"], "axes 'fsdp', optionally 'model'"),
     ("fsdp", ["--remat", "yes"], "Unrecognized options: yes"),
     ("fsdp", ["--batch-size", "0"], "--batch-size must be at least 1, got 0"),

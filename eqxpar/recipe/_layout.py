@@ -101,22 +101,32 @@ def local_cluster(memory_per_device: float | None = None) -> Cluster:
 
 
 def auto_layout(
-    cfg: C, *, vocab_size: int, axes: Sequence[str] = ("data", "model"), top: int = 5, pipeline: bool = False
+    cfg: C,
+    *,
+    vocab_size: int,
+    axes: Sequence[str] = ("data", "model"),
+    top: int = 5,
+    pipeline: bool = False,
+    seq_field: str = "context",
+    sequence_parallel: bool = False,
 ) -> tuple[C, Plan | None]:
     """`--layout auto`: plan the recipe's GPT for the devices present, print the top plans,
     and return `cfg` with the first one's `--mesh` and `--remat` (and pipeline flags), and
     that plan.
 
-    Plans only what the recipe builds: the mesh `axes`, every remat policy, no sequence
-    parallelism (the recipes sample from the trained model, which runs whole sequences),
-    the recipe's compute dtype (float32 for a recipe without `--dtype`) and AdamW's state.
-    Nothing compiles. With `--layout mesh` it returns `(cfg, None)` and prints nothing.
+    Plans only what the recipe builds: the mesh `axes`, every remat policy, sequence
+    parallelism only where the recipe asks for it (the GPT recipes sample from the trained
+    model, which runs whole sequences), the recipe's compute dtype (float32 for a recipe
+    without `--dtype`) and AdamW's state. With a `context` axis among `axes`, ring and
+    all-gather attention are both planned. Nothing compiles. With `--layout mesh` it
+    returns `(cfg, None)` and prints nothing.
 
     **Arguments:**
 
     - `cfg`: a recipe config with the fields of [`eqxpar.recipe.LayoutFlags`][], and
-      `mesh`, `remat`, `batch_size`, `context`, `dim`, `heads`, `layers` (and those of
-      [`eqxpar.recipe.GPTFlags`][] where it has them: `dtype`).
+      `mesh`, `remat`, `batch_size`, `dim`, `heads`, `layers` and the sequence length
+      (the field `seq_field`) (and those of [`eqxpar.recipe.GPTFlags`][] where it has
+      them: `dtype`).
     - `vocab_size`: the model's vocabulary (padded to a multiple of 128, as the GPT pads it).
     - `axes`: the mesh axes the recipe builds, in its mesh order.
     - `top`: how many plans to print.
@@ -124,12 +134,19 @@ def auto_layout(
       `eqxpar.train.pipeline_step`); `cfg` then has `schedule`, `microbatches` and
       `virtual_stages`, set from the plan, and a boolean `remat` (the pipeline's:
       recompute each tick).
+    - `seq_field`: the field of `cfg` holding the tokens per sequence (`"context"`; a
+      long-context recipe's `"seq_len"`).
+    - `sequence_parallel`: also plan Megatron sequence parallelism over `model`; `cfg`
+      then has a boolean `sequence_parallel`, set from the plan.
 
     **Returns:**
 
     `(cfg, plan)`: `cfg` with `mesh` the plan's sizes of `axes` (`"data=8,model=1"`) and
-    `remat` its remat policy (and with `pipeline`, its schedule, micro-batches and virtual
-    stages); the [`eqxpar.plan.Plan`][] (or `None` without `--layout auto`).
+    `remat` its remat policy (with `pipeline`, its schedule, micro-batches and virtual
+    stages; with `sequence_parallel`, its sequence parallelism; with a `context` axis,
+    `attention` the plan's: `"ring"` or `"all_gather"`, or `"dot_product"` for a plan
+    whose context axis has size 1, which runs whole sequences); the
+    [`eqxpar.plan.Plan`][] (or `None` without `--layout auto`).
 
     **Raises:**
 
@@ -149,7 +166,7 @@ def auto_layout(
         raise ValueError(f"--memory-per-device must be positive (GB per device), got {flags.memory_per_device}.")
     memory = None if flags.memory_per_device is None else flags.memory_per_device * GB
     machine = local_cluster(memory)
-    config = GPTConfig(context=flags.context, dim=flags.dim, heads=flags.heads, layers=flags.layers)
+    config = GPTConfig(context=getattr(flags, seq_field), dim=flags.dim, heads=flags.heads, layers=flags.layers)
     dtype = jnp.bfloat16 if getattr(flags, "dtype", "float32") == "bfloat16" else jnp.float32
     try:  # every layout, those that do not fit too: a message in the flag's units if none fits
         plans = plan(
@@ -160,7 +177,7 @@ def auto_layout(
             optimizer="adamw",
             vocab_size=vocab_size,
             axes=tuple(axes),
-            sequence_parallel=(False,),
+            sequence_parallel=(False, True) if sequence_parallel else (False,),
             top=None,
             include_infeasible=True,
             pipeline=True if pipeline else None,
@@ -189,6 +206,10 @@ def auto_layout(
         flags = dataclasses.replace(
             flags, schedule=lay.schedule, microbatches=lay.microbatches, virtual_stages=lay.virtual_stages
         )
+    if sequence_parallel:
+        flags = dataclasses.replace(flags, sequence_parallel=lay.sequence_parallel)
+    if "context" in axes:
+        flags = dataclasses.replace(flags, attention=lay.attention)
     remat = lay.remat == "block" if isinstance(flags.remat, bool) else lay.remat
     return dataclasses.replace(flags, mesh=mesh_text(sizes), remat=remat), best
 
@@ -213,7 +234,8 @@ def layout_metrics(cfg: Any, plan: Plan | None, comm: CommReport, memory: Memory
     **Returns:**
 
     `{"layout", "predicted_comm_bytes", "compiled_comm_bytes", "predicted_peak_bytes",
-    "compiled_peak_bytes"}`: the layout as the planner names it (`"data=8 remat=none"`),
+    "compiled_peak_bytes"}`: the layout as the planner names it (`"data=8 remat=none"`,
+    `"data=2,context=2,model=2 remat=none sp ring"`),
     collective bytes per device and step (the plan's, in the compute dtype; the compiled
     program's, over groups of more than one device) and peak bytes per device (the plan's
     prediction; `MemoryReport.peak`). The predictions are `None` without a plan.
@@ -225,6 +247,10 @@ def layout_metrics(cfg: Any, plan: Plan | None, comm: CommReport, memory: Memory
         used = ",".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "one device"
         remat = ("block" if cfg.remat else "none") if isinstance(cfg.remat, bool) else cfg.remat
         name = f"{used} remat={remat}"
+        if sizes.get("model", 1) > 1 and getattr(cfg, "sequence_parallel", False):  # as a Layout names it
+            name += " sp"
+        if sizes.get("context", 1) > 1:  # a context-parallel recipe's attention
+            name += f" {cfg.attention}"
         if sizes.get("stage", 1) > 1 and hasattr(cfg, "schedule"):  # a pipeline recipe's flags
             r = f" r={cfg.virtual_stages}" if cfg.schedule == "circular" else ""
             if cfg.schedule == "1f1b":  # it always recomputes the stage: the planner's "block"
