@@ -12,8 +12,7 @@ from jaxtyping import Array
 
 from ..nn import context_positions, vocab_parallel_cross_entropy
 from ._gpt import CONTEXT_AXIS
-from ._llama_layers import CONTEXT_IMPLS
-from ._llama_rope import rope_angles, rope_frequencies
+from ._llama_layers import CONTEXT_IMPLS, LlamaAttention
 
 if TYPE_CHECKING:
     from ._llama import Llama
@@ -64,9 +63,16 @@ def attention_positions(model: Llama, seq: int) -> Array:
 
 def rotary_angles(model: Llama, seq: int, dtype) -> tuple[Array, Array]:
     """The rotary `cos`, `sin` every layer takes, `(seq, head_dim)`, for `seq` tokens per
-    sequence on this device (see `attention_positions`)."""
-    c = model.config
-    return rope_angles(attention_positions(model, seq), rope_frequencies(c.channels, c.rope_theta, c.scaling), dtype)
+    sequence on this device (see `attention_positions`): those of
+    [`eqxpar.models.LlamaAttention.rotary_angles`][] at these positions. Every layer's
+    attention has the config's rotary settings; the first one's is read, found through
+    whatever holds the layers (a stack, a train step's FSDP gathers)."""
+    attention = next(a for a in jax.tree.leaves(model.layers, is_leaf=_is_attention) if _is_attention(a))
+    return attention.rotary_angles(attention_positions(model, seq), dtype)
+
+
+def _is_attention(node) -> bool:
+    return isinstance(node, LlamaAttention)
 
 
 def embed(model: Llama, tokens: Array) -> Array:
