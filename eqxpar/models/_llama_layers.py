@@ -15,9 +15,9 @@ from ..nn import (
     TensorParallelLayer,
     all_gather_attention,
     fused_attention,
+    gather_sequence,
     ring_attention,
 )
-from ..nn._base import gather_sequence
 from ._llama_config import LlamaConfig, LlamaRopeScaling
 from ._llama_rope import apply_rotary, rope_angles, rope_frequencies
 

@@ -18,7 +18,7 @@ y = forward(eqxpar.shard(mlp, mesh, specs), x)  # equals eqx.nn.MLP's output
 from ._all_gather_attention import all_gather_attention
 from ._attention import ParallelMultiheadAttention
 from ._attention_kernels import fused_attention
-from ._base import TensorParallelLayer
+from ._base import TensorParallelLayer, gather_sequence
 from ._context_layout import context_positions, layout_order, zigzag_inverse, zigzag_order
 from ._convert import from_dense, partition_specs, to_dense
 from ._embedding import VocabParallelEmbedding, vocab_parallel_cross_entropy
@@ -49,6 +49,7 @@ __all__ = [
     "expert_capacity",
     "ParallelMultiheadAttention",
     "fused_attention",
+    "gather_sequence",
     "VocabParallelEmbedding",
     "vocab_parallel_cross_entropy",
     "StackedLayers",

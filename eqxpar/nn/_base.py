@@ -21,7 +21,7 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .._shard_map import varying_axes
 
-__all__ = ["TensorParallelLayer"]
+__all__ = ["TensorParallelLayer", "gather_sequence"]
 
 
 class TensorParallelLayer(eqx.Module):
@@ -162,7 +162,24 @@ def identity(x):
 def gather_sequence(x: Array, axis_name: str, sequence_dim: int) -> Array:
     """Megatron sequence parallelism's entry into a tensor-parallel region: the devices'
     blocks of `x` along `sequence_dim`, all-gathered over `axis_name` (backward: a
-    reduce-scatter of the gradient, in place of the region's input all-reduce)."""
+    reduce-scatter of the gradient, in place of the region's input all-reduce).
+
+    [`eqxpar.nn.ColumnParallelLinear`][] and [`eqxpar.nn.ParallelMultiheadAttention`][] do
+    this themselves when called with `sequence_dim=`. Call it to gather once for several
+    layers that read the same input, as [`eqxpar.models.LlamaAttention`][] does for its
+    `q_proj`, `k_proj` and `v_proj`. Inside `shard_map` only.
+
+    **Arguments:**
+
+    - `x`: this device's block of the sequence.
+    - `axis_name`: the mesh axis the sequence is split over (the model axis).
+    - `sequence_dim`: the dimension of `x` that holds the sequence (e.g. `-2`).
+
+    **Returns:**
+
+    The whole sequence: `x` with its blocks from every device of `axis_name`
+    concatenated, in device order, along `sequence_dim`.
+    """
     return jax.lax.all_gather(x, axis_name, axis=sequence_dim % x.ndim, tiled=True)
 
 
