@@ -48,3 +48,23 @@ def forget_traced_constants() -> None:
     cache = getattr(_embedding, "internal_rope_embedding_cache", None)
     if isinstance(cache, dict):
         cache.clear()
+
+
+def user_source_line(eqn) -> tuple[str, int] | None:
+    """The `(file, line)` of the model's own code that made a jaxpr equation: the innermost
+    frame of its traceback outside JAX, Equinox and eqxpar; None if it has none.
+
+    Equations carry their Python traceback (`eqn.source_info.traceback`, a jaxlib object);
+    JAX has no public accessor for it.
+    """
+    import os
+
+    traceback = getattr(getattr(eqn, "source_info", None), "traceback", None)
+    frames = getattr(traceback, "frames", None)
+    if not frames:
+        return None
+    skip = tuple(os.sep + name + os.sep for name in ("jax", "jaxlib", "equinox", "eqxpar"))
+    for frame in frames:
+        if not any(part in frame.file_name for part in skip):
+            return frame.file_name, frame.line_num
+    return None

@@ -22,6 +22,7 @@ from .._shard_map import filter_shard_map
 from .._specs import AxisNames, axis_names, full_specs, is_spec, spec_axes
 from ._checks import check_batch_divides, check_builder, check_sequence_divides, context_split
 from ._checks_experts import check_experts, expert_batch_axes
+from ._checks_heads import check_head_cuts
 from ._checks_model import check_batch_norms, check_model_axes, check_units
 from ._gradients import leaf_plans, per_device_gradients
 from ._placement import constrain_to_specs, optimizer_specs
@@ -94,6 +95,9 @@ def build_step(
         if units is not None:
             check_units(model, units, who)
         specs = specs_for(model)
+        if not has_state and context_axis is None:
+            gathered = tuple(a for a in batch_axes if a not in owned)
+            check_head_cuts(who, loss_fn, model, batch, key, mesh, specs, batch_spec, n_batch, gathered)
         plans = leaf_plans(specs, model, batch_axes, who, owned=owned)
         grad_specs = jax.tree.map(lambda s, x: s if eqx.is_inexact_array(x) else None, specs, model, is_leaf=is_spec)
         per_device = per_device_gradients(
