@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _budget import examples
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -98,6 +99,8 @@ shapes = st.fixed_dictionaries(
 )
 
 
+# 2 drawn in the default run (test_parallelize_drawn.py pins whole model structures beside it).
+@examples(2)
 @given(sizes=mesh_sizes(("data", "model"), (8,)), shape=shapes, explicit=st.booleans(), seed=st.integers(0, 2**16))
 def test_parallelized_model_trains_as_the_dense_model_on_one_device(sizes, shape, explicit, seed):
     mesh = eqxpar.make_mesh(**sizes)
