@@ -14,7 +14,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..nn import MATMUL_NAME, ParallelMLP, ParallelMultiheadAttention, gelu, layer_norm
 
-__all__ = ["TransformerBlock", "remat_wrapper", "sequence_dropout", "split_keys", "REMAT_CHOICES"]
+__all__ = ["TransformerBlock", "norm_and_attention", "remat_wrapper", "sequence_dropout", "split_keys", "REMAT_CHOICES"]
 
 Remat = Literal["none", "block", "save_matmuls", "offload"]
 REMAT_CHOICES = ("none", "block", "save_matmuls", "offload")
@@ -130,6 +130,31 @@ def remat_policy(remat: Remat) -> Callable:
     raise ValueError(f"remat_policy: no policy for remat={remat!r}; choose one of {REMAT_CHOICES[1:]}.")
 
 
+def norm_and_attention(
+    dim: int,
+    num_heads: int,
+    dropout_p: float,
+    attention_dropout_p: float | None,
+    attention_impl: str,
+    axis_name: str,
+    key: PRNGKeyArray,
+) -> tuple[eqx.nn.LayerNorm, ParallelMultiheadAttention]:
+    """The first half of a GPT block, dense ([`eqxpar.models.TransformerBlock`][]) or MoE
+    ([`eqxpar.models.MoEBlock`][]): its attention's layer norm and causal self-attention
+    (weights from `key`; dropout on the attention weights `attention_dropout_p`, or
+    `dropout_p` when that is None)."""
+    attention = ParallelMultiheadAttention(
+        num_heads,
+        dim,
+        dropout_p=dropout_p if attention_dropout_p is None else attention_dropout_p,
+        causal=True,
+        attention_impl=attention_impl,  # pyright: ignore[reportArgumentType]  # checked by the attention
+        axis_name=axis_name,
+        key=key,
+    )
+    return eqx.nn.LayerNorm(dim), attention
+
+
 class TransformerBlock(eqx.Module):
     """A pre-norm transformer block: `x + attention(norm(x))`, then `x + mlp(norm(x))`.
 
@@ -183,15 +208,8 @@ class TransformerBlock(eqx.Module):
         - `key`: the initialisation key.
         """
         attention_key, mlp_key = jax.random.split(key)
-        self.attention_norm = eqx.nn.LayerNorm(dim)
-        self.attention = ParallelMultiheadAttention(
-            num_heads,
-            dim,
-            dropout_p=dropout_p if attention_dropout_p is None else attention_dropout_p,
-            causal=True,
-            attention_impl=attention_impl,
-            axis_name=axis_name,
-            key=attention_key,
+        self.attention_norm, self.attention = norm_and_attention(
+            dim, num_heads, dropout_p, attention_dropout_p, attention_impl, axis_name, attention_key
         )
         self.mlp_norm = eqx.nn.LayerNorm(dim)
         self.mlp = ParallelMLP(dim, dim, mlp_ratio * dim, activation=gelu, axis_name=axis_name, key=mlp_key)

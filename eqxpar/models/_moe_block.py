@@ -38,7 +38,7 @@ from ..nn import (
     gelu,
     layer_norm,
 )
-from ._block import TransformerBlock, sequence_dropout, split_keys
+from ._block import TransformerBlock, norm_and_attention, sequence_dropout, split_keys
 
 __all__ = ["MoEOptions", "MoEBlock", "moe_aux_loss"]
 
@@ -178,15 +178,8 @@ class MoEBlock(eqx.Module):
           with or without shared experts).
         """
         attention_key, moe_key = jax.random.split(key)
-        self.attention_norm = eqx.nn.LayerNorm(dim)
-        self.attention = ParallelMultiheadAttention(
-            num_heads,
-            dim,
-            dropout_p=dropout_p if attention_dropout_p is None else attention_dropout_p,
-            causal=True,
-            attention_impl=attention_impl,  # pyright: ignore[reportArgumentType]  # checked by the GPT
-            axis_name=axis_name,
-            key=attention_key,
+        self.attention_norm, self.attention = norm_and_attention(
+            dim, num_heads, dropout_p, attention_dropout_p, attention_impl, axis_name, attention_key
         )
         self.mlp_norm = eqx.nn.LayerNorm(dim)
         self.moe = MixtureOfExperts(
