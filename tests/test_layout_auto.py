@@ -9,19 +9,17 @@ import os
 import subprocess
 import sys
 
-import equinox as eqx
 import jax
 import numpy as np
-import optax
 import pytest
 from _recipes import RECIPES, load_recipe, run_recipe
-from jax.sharding import PartitionSpec as P
+from _reference import gpt_reference_losses
 
 import eqxpar
 import eqxpar.nn
 import eqxpar.recipe
-from eqxpar.datasets import python_source_text, text_windows
-from eqxpar.models import GPT, next_token_loss
+from eqxpar.datasets import python_source_text
+from eqxpar.models import GPT
 
 STEPS, BATCH, CONTEXT, SEED, LR = 4, 8, 16, 0, 3e-3
 SMALL = ("--steps", str(STEPS), "--batch-size", str(BATCH), "--context", str(CONTEXT), "--sample-chars", "0")
@@ -31,43 +29,10 @@ DIM, HEADS, LAYERS = 64, 8, 2
 
 def reference_losses() -> dict[str, float]:
     """The recipe's run written out plainly on one device: its weights (the first of three
-    keys split from the seed), its batches (`text_windows` of the first nine tenths of the
-    text, per seed and step), AdamW, and the held-out loss of the last tenth."""
+    keys split from the seed), its batches, AdamW, the held-out loss (`gpt_reference_losses`)."""
     text = python_source_text()
-    split = int(0.9 * len(text.ids))
-    model_key = jax.random.split(jax.random.key(SEED), 3)[0]
-    model = GPT(text.vocab_size, CONTEXT, DIM, HEADS, LAYERS, key=model_key)
-    mesh = eqxpar.make_mesh(model=1)  # the GPT's layers need their axis bound; size 1 runs densely
-    specs = eqxpar.nn.partition_specs(model, mesh)
-
-    def loss_fn(model, tokens):
-        loss = eqxpar.filter_shard_map(
-            lambda m, b: next_token_loss(m, b), mesh=mesh, in_specs=(specs, P()), out_specs=P()
-        )
-        return loss(model, tokens)
-
-    optimizer = optax.adamw(LR)
-
-    @eqx.filter_jit
-    def train_step(model, opt_state, tokens):
-        loss, grads = eqx.filter_value_and_grad(loss_fn)(model, tokens)
-        params = eqx.filter(model, eqx.is_inexact_array)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return eqx.apply_updates(model, updates), opt_state, loss
-
-    opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
-    losses = []
-    for i in range(STEPS):
-        tokens = text_windows(text.ids[:split], BATCH, CONTEXT, seed=SEED, step=i)
-        model, opt_state, loss = train_step(model, opt_state, tokens)
-        losses.append(float(loss))
-    val = eqx.filter_jit(loss_fn)(model, text_windows(text.ids[split:], 64, CONTEXT, seed=1234, step=0))
-    return {
-        "first_loss": losses[0],
-        "final_loss": losses[-1],
-        "final_loss_mean10": float(np.mean(losses)),
-        "val_loss": float(val),
-    }
+    model = GPT(text.vocab_size, CONTEXT, DIM, HEADS, LAYERS, key=jax.random.split(jax.random.key(SEED), 3)[0])
+    return gpt_reference_losses(model, seq=CONTEXT, batch=BATCH, steps=STEPS, seed=SEED, lr=LR)
 
 
 @pytest.fixture(scope="module")

@@ -6,18 +6,14 @@ With the memory per device it is given here only the recomputing plans fit, and 
 the fastest of them: its compiled program (which drops one gradient send on 2 stages) is
 checked here."""
 
-import equinox as eqx
 import jax
 import numpy as np
-import optax
 import pytest
 from _recipes import load_recipe, run_recipe
-from jax.sharding import PartitionSpec as P
+from _reference import gpt_reference_losses
 
-import eqxpar
-import eqxpar.nn
-from eqxpar.datasets import python_source_text, text_windows
-from eqxpar.models import GPT, next_token_loss
+from eqxpar.datasets import python_source_text
+from eqxpar.models import GPT
 
 STEPS, BATCH, CONTEXT, DIM, HEADS, LAYERS, SEED, LR = 2, 16, 16, 32, 4, 4, 0, 3e-3
 FLAGS = (
@@ -28,37 +24,11 @@ MEMORY = "0.00045"  # GB: the plans that keep every tick's activations do not fi
 
 
 def reference_losses() -> dict[str, float]:
-    """The recipe's run written out plainly on one device: its weights (the seed's key),
-    batches (`text_windows` of the first nine tenths of the text, per seed and step),
-    AdamW, and the held-out loss of the last tenth."""
+    """The recipe's run written out plainly on one device: its weights (the seed's key), its
+    batches, AdamW, the held-out loss (`gpt_reference_losses`)."""
     text = python_source_text()
-    split = int(0.9 * len(text.ids))
     model = GPT(text.vocab_size, CONTEXT, DIM, HEADS, LAYERS, scan_layers=True, key=jax.random.key(SEED))
-    mesh = eqxpar.make_mesh(model=1)
-    specs = eqxpar.nn.partition_specs(model, mesh)
-
-    def loss_fn(model, tokens):
-        return eqxpar.filter_shard_map(
-            lambda m, b: next_token_loss(m, b), mesh=mesh, in_specs=(specs, P()), out_specs=P()
-        )(model, tokens)
-
-    optimizer = optax.adamw(LR)
-
-    @eqx.filter_jit
-    def train_step(model, opt_state, tokens):
-        loss, grads = eqx.filter_value_and_grad(loss_fn)(model, tokens)
-        updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
-        return eqx.apply_updates(model, updates), opt_state, loss
-
-    opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
-    losses = []
-    for i in range(STEPS):
-        model, opt_state, loss = train_step(
-            model, opt_state, text_windows(text.ids[:split], BATCH, CONTEXT, seed=SEED, step=i)
-        )
-        losses.append(float(loss))
-    val = eqx.filter_jit(loss_fn)(model, text_windows(text.ids[split:], 64, CONTEXT, seed=1234, step=0))
-    return {"first_loss": losses[0], "final_loss": losses[-1], "val_loss": float(val)}
+    return gpt_reference_losses(model, seq=CONTEXT, batch=BATCH, steps=STEPS, seed=SEED, lr=LR)
 
 
 def test_layout_auto_picks_a_pipeline_prints_the_plans_and_equals_one_device(tmp_path, capsys):
