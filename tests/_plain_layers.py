@@ -5,6 +5,7 @@ fused q/k/v Linear together with the parallel form its user registers for it."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import equinox as eqx
@@ -12,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import eqxpar.nn
 from eqxpar.nn import ColumnParallelLinear, RowParallelLinear, TensorParallelLayer
 
 VOCAB, DIM, HEADS, HEAD_DIM, HIDDEN, SEQ = 32, 32, 4, 8, 48, 8
@@ -150,3 +152,14 @@ class ParallelFusedAttention(TensorParallelLayer):
     def __call__(self, x):
         # This device's heads end to end; the row layer's psum adds the heads' outputs.
         return self.out(attend(self.q(x), self.k(x), self.v(x)))
+
+
+@contextlib.contextmanager
+def fused_attention_registered():
+    """`FusedAttention` registered as the style "fused_attention" (split by `num_heads`) for
+    the `with` block, unregistered after it."""
+    eqxpar.nn.register_style("fused_attention", FusedAttention, ParallelFusedAttention, split="num_heads")
+    try:
+        yield
+    finally:
+        eqxpar.nn.unregister_style("fused_attention")

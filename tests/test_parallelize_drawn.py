@@ -31,9 +31,9 @@ from _plain_layers import (
     VOCAB,
     Attention,
     FusedAttention,
-    ParallelFusedAttention,
     RMSNorm,
     SwiGLU,
+    fused_attention_registered,
     rope,
 )
 from hypothesis import HealthCheck, Phase, example, given, settings
@@ -186,9 +186,8 @@ pytestmark = pytest.mark.allow_rank_promotion
 
 @pytest.fixture
 def fused_style():
-    eqxpar.nn.register_style("fused_attention", FusedAttention, ParallelFusedAttention, split="num_heads")
-    yield
-    eqxpar.nn.unregister_style("fused_attention")
+    with fused_attention_registered():
+        yield
 
 
 @settings(

@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 from _budget import THOROUGH
-from _plain_layers import DIM, SEQ, VOCAB, FusedAttention, ParallelFusedAttention
+from _plain_layers import DIM, SEQ, VOCAB, FusedAttention, ParallelFusedAttention, fused_attention_registered
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
@@ -43,9 +43,8 @@ def loss_fn(model, batch, key):
 
 @pytest.fixture
 def fused_style():
-    eqxpar.nn.register_style("fused_attention", FusedAttention, ParallelFusedAttention, split="num_heads")
-    yield
-    eqxpar.nn.unregister_style("fused_attention")
+    with fused_attention_registered():
+        yield
 
 
 # The fixture registers once per test, not per drawn example: the same style each time.
