@@ -280,19 +280,13 @@ def parallelize(
 
     rows, new = [], {}
     last = seq[-1][0] if seq else None
-    by_path = dict(nodes)
-    stacked = stacks(seq, by_path)
+    stacked = stacks(seq)
     for p, node, style in seq:
         where, note = path_text(p), notes.get(p, "")
         if style == "replicate" and (layers := stacked.get(p)) is not None:
             # A layer of a filter_vmap stack kept whole: marked, so nothing splits its layer axis.
             new[p] = VmappedStack(node, num_layers=layers, axis_name=axis_name)
             note = "; ".join(filter(None, [note, f"one of {layers} stacked layers: the layer axis never split"]))
-        elif style == "replicate" and eqx.is_array(node) and (layers := stacked.get(p[:-1])) is not None:
-            # A loose array of the user's own module in the stack (its RMSNorm's scale): the
-            # module is marked whole, as above.
-            new[p[:-1]] = VmappedStack(by_path[p[:-1]], num_layers=layers, axis_name=axis_name)
-            note = "; ".join(filter(None, [note, f"in one of {layers} stacked layers: the layer axis never split"]))
         if style in ("replicate", "kept"):
             rows.append(
                 PlanRow(

@@ -124,15 +124,11 @@ def column_group(seq: list, i: int) -> list:
     return seq[group_start(seq, i - 1) : i]
 
 
-def stacks(seq: list, nodes_by_path: dict) -> dict:
-    """The stack size of every part of a stack built with `eqx.filter_vmap` that is marked
-    (split per layer, or kept whole with its layer axis never split): units whose own
-    weights are stacked (`stacked_weight`); the `equinox.nn` layers beside them in the same
-    container (norms, whose shapes alone do not tell) whose every array has that leading
-    size; and the user's own modules of loose arrays inside the stack (an RMSNorm of its
-    own), which `parallelize` can mark whole. The stack is the outermost part of the model
-    (below the model itself) holding a stacked unit whose arrays all share its layer count.
-    `nodes_by_path` maps each node's path to the node (`walk`)."""
+def stacks(seq: list) -> dict:
+    """The stack size of every unit of a stack built with `eqx.filter_vmap` that can be split
+    per layer: units whose own weights are stacked (`stacked_weight`), and the `equinox.nn`
+    layers beside them in the same container (norms, whose shapes alone do not tell) whose
+    every array has that leading size."""
     nodes = {p: node for p, node, _ in seq}
     sizes = {}
     for p, node in nodes.items():
@@ -146,33 +142,7 @@ def stacks(seq: list, nodes_by_path: dict) -> dict:
             continue
         if has_arrays(node) and leading_sizes(node) == {n}:
             sizes[p] = n
-    for root, n in _stack_roots(nodes, sizes).items():
-        for p, node in nodes.items():
-            parent = p[: len(p) - 1]
-            if not (eqx.is_array(node) and p[: len(root)] == root and len(parent) > len(root)):
-                continue
-            module = nodes_by_path.get(parent)
-            inside = [x for q, x in nodes.items() if q[: len(parent)] == parent]
-            if isinstance(module, eqx.Module) and callable(module) and all(eqx.is_array(x) for x in inside):
-                sizes[parent] = n  # e.g. its own RMSNorm: marked whole, called per layer
     return sizes
-
-
-def _stack_roots(nodes: dict, sizes: dict) -> dict:
-    """The outermost path (below the model) above each stacked unit whose every array leads
-    with the unit's layer count: the stack `eqx.filter_vmap` built."""
-    roots = {}
-    for p, n in sizes.items():
-        root = None
-        for i in range(len(p) - 1, 0, -1):
-            under = [x for q, x in nodes.items() if q[:i] == p[:i]]
-            if not all(has_arrays(x) and leading_sizes(x) == {n} for x in under):
-                break
-            root = p[:i]
-        if root is not None and not any(root[: len(r)] == r for r in roots):
-            roots = {r: m for r, m in roots.items() if r[: len(root)] != root}
-            roots[root] = n
-    return roots
 
 
 def stack_size(node: Any) -> int | None:

@@ -84,10 +84,18 @@ def check_units(model: PyTree, units: Any, who: str) -> None:
     whole, and gathering them on call failed with "axis 1 is out of bounds"."""
     picked = units(model)
     for i, node in enumerate(picked if isinstance(picked, (tuple, list)) else (picked,)):
+        where = next((jax.tree_util.keystr(p) for p, n in model_nodes(model) if n is node), f"units(model)[{i}]")
+        if (layers := _beside_a_stack(model, node)) is not None:
+            raise ValueError(
+                f"{who}: units names model{where}, a {type(node).__name__} of your own inside layers "
+                f"stacked with eqx.filter_vmap (every array with a leading axis of {layers} layers, "
+                f"like the eqxpar.nn layers beside it): only eqxpar's stacked layers gather one "
+                f"layer at a time inside the model's scan. Leave it out of units: it is then "
+                f"gathered whole once per step, with the other parameters outside units."
+            )
         found = None if isinstance(node, StackedLayers) else stacked_weight(node)
         if found is None:
             continue
-        where = next((jax.tree_util.keystr(p) for p, n in model_nodes(model) if n is node), f"units(model)[{i}]")
         raise ValueError(
             f"{who}: units names model{where}, layers stacked with eqx.filter_vmap: its "
             f"{found[0]} has shape {found[1]}, with a layer axis in front. A unit is gathered "
@@ -96,6 +104,26 @@ def check_units(model: PyTree, units: Any, who: str) -> None:
             f"them with eqxpar.nn.StackedLayers (whose scan gathers one layer at a time), or "
             f"leave units out (the stack is then gathered whole)."
         )
+
+
+def _beside_a_stack(model: PyTree, node: Any) -> int | None:
+    """The layer count when `node`, not one of eqxpar's layers, sits in a module next to
+    eqxpar's stacked layers of that many layers (a filter_vmap stack made tensor-parallel
+    by `parallelize`) and every array of it leads with that count; else None."""
+    if isinstance(node, TensorParallelLayer) or not isinstance(node, eqx.Module):
+        return None
+    if any(isinstance(x, StackedLayers) for x in jax.tree.leaves(node, is_leaf=lambda x: isinstance(x, StackedLayers))):
+        return None  # it holds the stack itself (its own message, below)
+    leading = {x.shape[0] if x.ndim else -1 for x in jax.tree.leaves(eqx.filter(node, eqx.is_array))}
+    for _, parent in model_nodes(model):
+        kids = jax.tree_util.tree_leaves(parent, is_leaf=lambda x, p=parent: x is not p and isinstance(x, eqx.Module))
+        if not any(kid is node for kid in kids):
+            continue
+        stacks = jax.tree_util.tree_leaves(parent, is_leaf=lambda x: isinstance(x, StackedLayers))
+        sizes = {s.num_layers for s in stacks if isinstance(s, StackedLayers)}
+        if len(sizes) == 1 and leading == sizes:
+            return sizes.pop()
+    return None
 
 
 def mesh_axes_text(mesh: Mesh) -> str:
