@@ -6,6 +6,9 @@ release that moves the private name breaks only this file, visibly.
 
 from __future__ import annotations
 
+import functools
+import os
+
 
 def backends_started() -> bool:
     """Whether JAX has already started its backends (any device listed or array made).
@@ -52,19 +55,32 @@ def forget_traced_constants() -> None:
 
 def user_source_line(eqn) -> tuple[str, int] | None:
     """The `(file, line)` of the model's own code that made a jaxpr equation: the innermost
-    frame of its traceback outside JAX, Equinox and eqxpar; None if it has none.
+    frame of its traceback outside the installed JAX, jaxlib, Equinox, einops and eqxpar
+    packages (by their install directories, not by folder names a user's project may
+    share); None if it has none.
 
     Equations carry their Python traceback (`eqn.source_info.traceback`, a jaxlib object);
     JAX has no public accessor for it.
     """
-    import os
-
     traceback = getattr(getattr(eqn, "source_info", None), "traceback", None)
     frames = getattr(traceback, "frames", None)
     if not frames:
         return None
-    skip = tuple(os.sep + name + os.sep for name in ("jax", "jaxlib", "equinox", "eqxpar"))
+    libraries = _library_dirs()
     for frame in frames:
-        if not any(part in frame.file_name for part in skip):
+        if not os.path.abspath(frame.file_name).startswith(libraries):
             return frame.file_name, frame.line_num
     return None
+
+
+@functools.cache
+def _library_dirs() -> tuple[str, ...]:
+    """The install directories of the packages whose frames are not the model's code."""
+    import importlib.util
+
+    dirs = []
+    for name in ("jax", "jaxlib", "equinox", "einops", "eqxpar"):
+        spec = importlib.util.find_spec(name)
+        for location in (spec.submodule_search_locations or []) if spec is not None else []:
+            dirs.append(os.path.join(os.path.abspath(location), ""))
+    return tuple(dirs)

@@ -25,11 +25,14 @@ from eqxpar.train import fsdp_step, hybrid_step, shard_batch
 class CountCutAttention(Attention):
     """`Attention`'s layers, cut into `heads` / `kv_heads` parts of whatever size."""
 
+    def cut(self, x, parts):
+        return x.reshape(x.shape[0], parts, -1)  # by count: the bug
+
     def __call__(self, x):
         seq = x.shape[0]
-        q = rope(jax.vmap(self.q)(x).reshape(seq, self.heads, -1))  # by count: the bug
-        k = rope(jax.vmap(self.k)(x).reshape(seq, self.kv_heads, -1))
-        v = jax.vmap(self.v)(x).reshape(seq, self.kv_heads, -1)
+        q = rope(self.cut(jax.vmap(self.q)(x), self.heads))
+        k = rope(self.cut(jax.vmap(self.k)(x), self.kv_heads))
+        v = self.cut(jax.vmap(self.v)(x), self.kv_heads)
         group = self.heads // self.kv_heads
         k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
         logits = jnp.einsum("qhd,khd->hqk", q, k) / math.sqrt(HEAD_DIM)
@@ -81,7 +84,36 @@ def test_cutting_split_heads_by_count_is_refused_before_compiling(strategy, stac
         step.lower(model, opt_state, tokens)
     message = str(error.value)
     # The line of q's reshape (the first cut), both cuts, and the fix.
-    line = CountCutAttention.__call__.__code__.co_firstlineno + 2
+    line = CountCutAttention.cut.__code__.co_firstlineno + 1
     assert f"test_parallelize_head_cuts.py:{line} cuts an output" in message, message
     assert "into (4, 4) on each device, where the dense model has (4, 8)" in message, message
     assert "reshape(seq, -1, head_dim)" in message and "train silently wrong" in message
+
+
+def test_refused_with_gradient_accumulation_and_from_a_folder_named_jax(tmp_path, monkeypatch):
+    """The check traces one micro-batch (a loss may reshape by its micro-batch size), and
+    tells the model's code from the libraries' by their install folders: a user's project
+    under a folder named `jax` is still the user's code."""
+    folder = tmp_path / "jax"
+    folder.mkdir()
+    (folder / "user_cut.py").write_text("def cut(x, parts):\n    return x.reshape(x.shape[0], parts, -1)\n")
+    monkeypatch.syspath_prepend(str(folder))
+    from user_cut import cut
+
+    class FolderCutAttention(CountCutAttention):
+        def cut(self, x, parts):
+            return cut(x, parts)  # the user's helper, in their folder named jax
+
+    mesh = eqxpar.make_mesh(data=2, model=2)
+    dense = Model(False, key=jax.random.key(0))
+    dense = eqx.tree_at(lambda m: m.attention, dense, FolderCutAttention(2, key=jax.random.key(1)))
+    plan = {"attention.q": "column", "attention.k": "column", "attention.v": "column", "attention.o": "row"}
+
+    def micro_loss(model, batch, key):  # reshapes by its micro-batch: 8 / (data=2 x grad_accum=2)
+        return loss_fn(model, batch.reshape(2, SEQ + 1), key)
+
+    step = hybrid_step(micro_loss, optax.sgd(0.1), mesh, grad_accum=2)
+    model, opt_state = step.init(eqxpar.nn.parallelize(dense, plan, mesh=mesh))
+    tokens = shard_batch(np.zeros((8, SEQ + 1), np.int32), mesh, batch_axis="data")
+    with pytest.raises(ValueError, match=r"jax/user_cut\.py:2 cuts an output .* into \(4, 4\) on each device"):
+        step.lower(model, opt_state, tokens)

@@ -60,12 +60,14 @@ def check_head_cuts(
     specs: PyTree,
     batch_spec: PartitionSpec,
     n_batch: int,
+    grad_accum: int,
     gathered: tuple[str, ...],
 ) -> None:
     """Raise a `ValueError` if the user's code cuts a split output by a fixed count (see the
     module docs). Traces only, and only for models with split outputs in the user's code.
     `gathered`: the batch axes the step gathers parameters over before the loss (FSDP):
-    the trace takes them whole over those axes, as the loss sees them."""
+    the trace takes them whole over those axes, as the loss sees them. Both traces take one
+    micro-batch (`grad_accum`), the batch the loss sees."""
     if not has_split_outputs(model):
         return
 
@@ -83,8 +85,10 @@ def check_head_cuts(
     def per_device_loss(m, b, k):
         return loss_fn(m, b, k)
 
-    def local(x):
-        return jax.ShapeDtypeStruct((x.shape[0] // n_batch, *x.shape[1:]), x.dtype)
+    def rows(x, n):  # x: an abstract batch leaf
+        if not isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        return jax.ShapeDtypeStruct((x.shape[0] // n, *x.shape[1:]), x.dtype)
 
     parallel = filter_shard_map(
         per_device_loss, mesh=mesh, in_specs=(specs, batch_spec, PartitionSpec()), out_specs=PartitionSpec(),
@@ -94,10 +98,11 @@ def check_head_cuts(
     dense = filter_shard_map(
         per_device_loss, mesh=one, in_specs=(PartitionSpec(),) * 3, out_specs=PartitionSpec(), check_vma=False
     )
-    local_batch = jax.tree.map(lambda x: local(x) if eqx.is_array(x) else x, abstract(batch))
+    micro_batch = jax.tree.map(lambda x: rows(x, grad_accum), abstract(batch))  # global
+    local_batch = jax.tree.map(lambda x: rows(x, n_batch * grad_accum), abstract(batch))
     key = abstract(key)
     try:
-        cuts_parallel = _cuts(eqx.filter_make_jaxpr(parallel)(abstract(model), abstract(batch), key)[0])
+        cuts_parallel = _cuts(eqx.filter_make_jaxpr(parallel)(abstract(model), micro_batch, key)[0])
         cuts_dense = _cuts(eqx.filter_make_jaxpr(dense)(abstract(to_dense(model)), local_batch, key)[0])
     finally:
         forget_traced_constants()  # the traces above ran over two meshes
@@ -105,18 +110,48 @@ def check_head_cuts(
         if where not in cuts_dense:
             continue
         dense_in, dense_out = cuts_dense[where]
-        if par_in == dense_in or dense_out[-1] == par_out[-1]:
+        parts = _parts(dense_in, dense_out, par_in, par_out)
+        if parts is None:
             continue
         file, line, nth = where
         raise ValueError(
             f"{who}: the model's code at {file}:{line} cuts an output that tensor parallelism splits "
-            f"(last axis {dense_in[-1]} -> {par_in[-1]} per device) into {tuple(par_out[-2:])} on each "
-            f"device, where the dense model has {tuple(dense_out[-2:])}: it cuts by a fixed count "
-            f"(e.g. reshape(seq, num_heads, -1)), so each device would take slivers of every head "
+            f"(last axis {dense_in[-1]} -> {par_in[-1]} per device) into {parts[1]} on each device, "
+            f"where the dense model has {parts[0]}: only the outermost part may shrink, and here an "
+            f"inner one does: it cuts by a fixed count (e.g. reshape(seq, num_heads, -1), or a "
+            f"(head_dim, num_heads) layout), so each device would take slivers of every head "
             f"instead of whole heads, and train silently wrong. Cut by the part's size instead, e.g. "
             f"reshape(seq, -1, head_dim), so that each device gets its whole heads"
             + (f" (occurrence {nth + 1} of that line)." if nth else ".")
         )
+
+
+def _parts(dense_in, dense_out, par_in, par_out) -> tuple[tuple, tuple] | None:
+    """The axes a reshape cut the input's last axis into, `(dense, split side)`, when the
+    split side's are not the dense ones with only the outermost divided (whole parts on each
+    device); None when they are, or when the last axis is not split."""
+    ratio, rest = divmod(dense_in[-1], par_in[-1])
+    if rest or ratio == 1:
+        return None
+    k_dense, k_par = _cut_start(dense_out, dense_in[-1]), _cut_start(par_out, par_in[-1])
+    if k_dense is None or k_dense != k_par:
+        return None
+    dense, par = tuple(dense_out[k_dense:]), tuple(par_out[k_par:])
+    if dense[0] == par[0] * ratio and dense[1:] == par[1:]:
+        return None
+    return dense, par
+
+
+def _cut_start(shape_out, size: int) -> int | None:
+    """Where the trailing axes of `shape_out` whose product is `size` start (None if none)."""
+    product = 1
+    for k in range(len(shape_out) - 1, -1, -1):
+        product *= shape_out[k]
+        if product == size:
+            return k
+        if product > size:
+            return None
+    return None
 
 
 def _cuts(closed: Any) -> dict[tuple[str, int, int], tuple[tuple[int, ...], tuple[int, ...]]]:

@@ -97,7 +97,7 @@ def build_step(
         specs = specs_for(model)
         if not has_state and context_axis is None:
             gathered = tuple(a for a in batch_axes if a not in owned)
-            check_head_cuts(who, loss_fn, model, batch, key, mesh, specs, batch_spec, n_batch, gathered)
+            check_head_cuts(who, loss_fn, model, batch, key, mesh, specs, batch_spec, n_batch, grad_accum, gathered)
         plans = leaf_plans(specs, model, batch_axes, who, owned=owned)
         grad_specs = jax.tree.map(lambda s, x: s if eqx.is_inexact_array(x) else None, specs, model, is_leaf=is_spec)
         per_device = per_device_gradients(
