@@ -81,6 +81,6 @@ def _library_dirs() -> tuple[str, ...]:
     dirs = []
     for name in ("jax", "jaxlib", "equinox", "einops", "eqxpar"):
         spec = importlib.util.find_spec(name)
-        for location in (spec.submodule_search_locations or []) if spec is not None else []:
-            dirs.append(os.path.join(os.path.abspath(location), ""))
+        locations = spec.submodule_search_locations if spec is not None else None
+        dirs.extend(os.path.join(os.path.abspath(location), "") for location in locations or ())
     return tuple(dirs)

@@ -9,10 +9,10 @@ each device's block into `num_heads` slivers of `head_dim / N` features: every s
 fits, attention runs over pieces of heads, and the model trains silently wrong.
 
 The check traces the user's loss twice, never compiling: the dense model (`to_dense`) on one
-device and the parallel model on the mesh, on the same per-device batch. Each `reshape`
-that cuts the last axis of an array, written at the same place of the user's code, must
-keep its trailing size on both sides; a trailing size divided on the parallel side is the
-fixed-count cut, refused with a `ValueError` naming the line.
+device and the parallel model on the mesh, each on one micro-batch per device. Each
+`reshape` that cuts a split last axis into parts, written at the same place of the user's
+code, may shrink only its outermost part on the parallel side (fewer whole heads); an inner
+part that shrinks is the fixed-count cut, refused with a `ValueError` naming the line.
 """
 
 from __future__ import annotations
@@ -82,21 +82,18 @@ def check_head_cuts(
     def abstract(tree):
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if eqx.is_array(x) else x, tree)
 
-    def per_device_loss(m, b, k):
-        return loss_fn(m, b, k)
-
     def rows(x, n):  # x: an abstract batch leaf
         if not isinstance(x, jax.ShapeDtypeStruct):
             return x
         return jax.ShapeDtypeStruct((x.shape[0] // n, *x.shape[1:]), x.dtype)
 
     parallel = filter_shard_map(
-        per_device_loss, mesh=mesh, in_specs=(specs, batch_spec, PartitionSpec()), out_specs=PartitionSpec(),
+        loss_fn, mesh=mesh, in_specs=(specs, batch_spec, PartitionSpec()), out_specs=PartitionSpec(),
         check_vma=False,
     )  # fmt: skip
     one = make_mesh("auto", jax.devices()[:1], **dict.fromkeys(mesh.axis_names, 1))
     dense = filter_shard_map(
-        per_device_loss, mesh=one, in_specs=(PartitionSpec(),) * 3, out_specs=PartitionSpec(), check_vma=False
+        loss_fn, mesh=one, in_specs=(PartitionSpec(),) * 3, out_specs=PartitionSpec(), check_vma=False
     )
     micro_batch = jax.tree.map(lambda x: rows(x, grad_accum), abstract(batch))  # global
     local_batch = jax.tree.map(lambda x: rows(x, n_batch * grad_accum), abstract(batch))

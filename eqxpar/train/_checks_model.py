@@ -84,10 +84,13 @@ def check_units(model: PyTree, units: Any, who: str) -> None:
     whole, and gathering them on call failed with "axis 1 is out of bounds"."""
     picked = units(model)
     for i, node in enumerate(picked if isinstance(picked, (tuple, list)) else (picked,)):
-        where = next((jax.tree_util.keystr(p) for p, n in model_nodes(model) if n is node), f"units(model)[{i}]")
+
+        def where(node=node, i=i) -> str:  # only on the way to an error: it walks the model
+            return next((jax.tree_util.keystr(p) for p, n in model_nodes(model) if n is node), f"units(model)[{i}]")
+
         if (layers := _beside_a_stack(model, node)) is not None:
             raise ValueError(
-                f"{who}: units names model{where}, a {type(node).__name__} of your own inside layers "
+                f"{who}: units names model{where()}, a {type(node).__name__} of your own inside layers "
                 f"stacked with eqx.filter_vmap (every array with a leading axis of {layers} layers, "
                 f"like the eqxpar.nn layers beside it): only eqxpar's stacked layers gather one "
                 f"layer at a time inside the model's scan. Leave it out of units: it is then "
@@ -97,7 +100,7 @@ def check_units(model: PyTree, units: Any, who: str) -> None:
         if found is None:
             continue
         raise ValueError(
-            f"{who}: units names model{where}, layers stacked with eqx.filter_vmap: its "
+            f"{who}: units names model{where()}, layers stacked with eqx.filter_vmap: its "
             f"{found[0]} has shape {found[1]}, with a layer axis in front. A unit is gathered "
             f"when it is called, and a lax.scan over the stack never calls it whole. Name the "
             f"layers one by one (keep them in a list: units=lambda m: tuple(m.blocks)), stack "
