@@ -54,3 +54,10 @@ def gpt_reference_losses(
         "final_loss_mean10": float(np.mean(losses[-10:])),
         "val_loss": float(val),
     }
+
+
+def assert_reference_losses(metrics: dict, reference: dict, keys=None) -> None:
+    """The recipe's metrics equal the reference's, key by key (`keys`: default all of
+    the reference's), to float32 rounding (rtol 1e-5)."""
+    for key in reference if keys is None else keys:
+        np.testing.assert_allclose(metrics[key], reference[key], rtol=1e-5, err_msg=key)

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 from _recipes import RECIPES, load_recipe, run_recipe
-from _reference import gpt_reference_losses
+from _reference import assert_reference_losses, gpt_reference_losses
 
 import eqxpar
 import eqxpar.nn
@@ -38,11 +38,6 @@ def reference_losses() -> dict[str, float]:
 @pytest.fixture(scope="module")
 def reference():
     return reference_losses()
-
-
-def assert_reference_losses(metrics: dict, reference: dict) -> None:
-    for key, value in reference.items():
-        np.testing.assert_allclose(metrics[key], value, rtol=1e-5, err_msg=key)
 
 
 def test_layout_auto_on_8_devices_prints_the_plans_and_equals_one_device(tmp_path, capsys, reference):
