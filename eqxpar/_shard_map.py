@@ -231,9 +231,9 @@ def _check_outputs(out_specs: PyTree, out_dyn: PyTree, mesh: Mesh, check_vma: bo
 
 
 def varying_axes(leaf) -> frozenset:
-    """The mesh axes a traced value inside `shard_map` varies over (empty outside
-    `shard_map`, for a replicated value, or if JAX does not say)."""
-    aval = jax.typeof(leaf)
+    """The mesh axes a traced value inside `shard_map` (or the result of `eval_shape` there)
+    varies over (empty outside `shard_map`, for a replicated value, or if JAX does not say)."""
+    aval = leaf if isinstance(leaf, jax.ShapeDtypeStruct) else jax.typeof(leaf)
     mat = getattr(aval, "manual_axis_type", None)  # JAX 0.10+
     varying = getattr(mat, "varying", None)
     if varying is None:

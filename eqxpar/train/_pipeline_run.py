@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PyTree
 
+from .._shard_map import varying_axes
 from ._gradients import micro_batches
 from ._pipeline_stages import Stages, layer_key
 from ._schedule import Schedule
@@ -113,16 +114,6 @@ def _activation_like(model: PyTree, micros: PyTree, key: Any, plan: PipelinePlan
     )
     zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), x)
     return _varying(zeros, tuple(sorted(set(plan.batch_axes) | {plan.stage_axis} | set(_vma(x)))))
-
-
-def varying_axes(a: Any) -> frozenset:
-    """The mesh axes a value inside `shard_map` varies over (a tracer or the result of
-    `eval_shape`; empty if JAX does not say)."""
-    aval = a if isinstance(a, jax.ShapeDtypeStruct) else jax.typeof(a)
-    varying = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
-    if varying is None:
-        varying = getattr(aval, "vma", None)
-    return frozenset(varying or ())
 
 
 def _vma(tree: PyTree) -> set:
