@@ -22,7 +22,7 @@ import eqxpar
 from eqxpar import nn
 from eqxpar.inspect import CommReport, expert_parallel_theory
 from eqxpar.models import GPT, MoEOptions, gpt_stages, moe_aux_loss, next_token_loss, stack_blocks
-from eqxpar.testing import F32_ATOL, F32_RTOL, assert_trees_close, mesh_sizes
+from eqxpar.testing import check_parallel_parity, mesh_sizes
 from eqxpar.train import data_parallel_step, hybrid_step, shard_batch
 
 VOCAB, SEQ, DIM = 32, 8, 16
@@ -52,90 +52,16 @@ def token_batch(size, seed):
     return np.random.default_rng(seed).integers(0, VOCAB, size=(size, SEQ + 1)).astype(np.int32)
 
 
-def _copy(tree):
-    return jax.tree.map(lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, tree)
-
-
-def gpt_parity(
-    model,
-    loss_fn,
-    mesh,
-    batch,
-    *,
-    builder=data_parallel_step,
-    steps=2,
-    rtol=F32_RTOL,
-    atol=F32_ATOL,
-    param_specs="partition",
-    **step_options,
-):
-    """Train `model` `steps` SGD-with-momentum steps with `builder(..., expert_axis="expert")`
-    on `mesh` and on one device (plain `eqx.filter_value_and_grad` in a one-device
-    shard_map with the same axis names, all of size 1), and assert the losses, the first
-    step's gradients and the parameters after the last step agree. Returns the largest
-    relative differences seen, `{"loss": ..., "gradients": ..., "parameters": ...}`.
-
-    Not `eqxpar.testing.check_parallel_parity` (which tests/test_moe_train.py's
-    `expert_parity` uses): its dense model must have the structure of
-    `eqxpar.nn.to_dense(parallel_model)`, and the GPT's `to_dense` is the GPT with eqx.nn
-    layers inside, which does not run (the Llama's is the Llama itself). Here the one-device
-    side is the GPT itself, its tensor-parallel layers over axes of size 1."""
-    optimizer = optax.sgd(0.05, momentum=0.9)
-    one = eqxpar.make_mesh(**dict.fromkeys(mesh.axis_names, 1))
-    per_device = eqxpar.filter_shard_map(lambda m, b: loss_fn(m, b, None), mesh=one, in_specs=(P(), P()), out_specs=P())
-
-    @eqx.filter_jit
-    def dense_step(model, opt_state, batch):
-        loss, grads = eqx.filter_value_and_grad(per_device)(model, batch)
-        updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
-        return eqx.apply_updates(model, updates), opt_state, loss, grads
-
-    dense = _copy(model)
-    dense_opt = optimizer.init(eqx.filter(dense, eqx.is_inexact_array))
-    dense_losses = []
-    for i in range(steps):
-        dense, dense_opt, loss, grads = dense_step(dense, dense_opt, batch)
-        dense_losses.append(loss)
-        if i == 0:
-            dense_grads = grads
-
-    # The parallel step, its optimizer keeping the gradient it was given in its state.
-    keeping = optax.GradientTransformation(
-        lambda params: (jax.tree.map(jnp.zeros_like, params), optimizer.init(params)),
-        lambda updates, state, params=None: (
-            optimizer.update(updates, state[1], params)[0],
-            (updates, optimizer.update(updates, state[1], params)[1]),
-        ),
+def gpt_parity(model, loss_fn, mesh, batch, *, steps=2):
+    """`eqxpar.testing.check_parallel_parity` of the GPT against itself on one device (the
+    GPT is its own dense form), `hybrid_step` with `expert_axis="expert"`: the losses with
+    the aux losses, every gradient, the gradient norm and the parameters after `steps`
+    SGD-with-momentum steps, float32 tolerances. Returns its report."""
+    report = check_parallel_parity(
+        model, model, loss_fn, optax.sgd(0.05, momentum=0.9), mesh, batch, strategy="hybrid", steps=steps
     )
-    if param_specs == "partition":
-        step_options["param_specs"] = nn.partition_specs(model, mesh)
-    step = builder(loss_fn, keeping, mesh, expert_axis="expert", **step_options)
-    parallel, opt_state = step.init(_copy(model))
-    placed = shard_batch(batch, mesh, batch_axis=step.batch_axis)
-    losses = []
-    for i in range(steps):
-        parallel, opt_state, metrics = step(parallel, opt_state, placed)
-        losses.append(metrics["loss"])
-        if i == 0:
-            grads = _copy(opt_state[0])
-
-    def worst(a, b):
-        pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b))
-        return max(
-            float(np.max(np.abs(np.asarray(x) - np.asarray(y)) / (np.abs(np.asarray(y)) + atol))) for x, y in pairs
-        )
-
-    dense_params = eqx.filter(dense, eqx.is_inexact_array)
-    parallel_params = eqx.filter(parallel, eqx.is_inexact_array)
-    assert_trees_close(jnp.stack(losses), jnp.stack(dense_losses), rtol=rtol, atol=atol, what="losses")
-    assert_trees_close(grads, dense_grads, rtol=rtol, atol=atol, what="gradients")
-    assert_trees_close(parallel_params, dense_params, rtol=rtol, atol=atol, what="parameters")
-    assert float(losses[-1]) < float(losses[0])
-    return {
-        "loss": worst(losses, dense_losses),
-        "gradients": worst(grads, dense_grads),
-        "parameters": worst(parallel_params, dense_params),
-    }
+    assert report.losses[-1] < report.losses[0]
+    return report
 
 
 # The default profile runs the pinned example only (it compiles a parallel and a one-device
@@ -158,7 +84,7 @@ def test_moe_gpt_with_an_expert_axis_equals_one_device(sizes, experts_per_device
     experts = sizes["expert"] * experts_per_device
     model = moe_gpt(experts, min(top_k, experts), capacity_factor, every=1, seed=seed, layers=1)
     batch = token_batch(2 * sizes["data"] * sizes["expert"], seed)
-    gpt_parity(model, loss_fn, mesh, batch, builder=hybrid_step)
+    gpt_parity(model, loss_fn, mesh, batch)
 
 
 @pytest.mark.thorough
@@ -167,7 +93,7 @@ def test_experts_hidden_split_over_model_equals_one_device():
     per device (a swapped all-to-all still fits the shapes here, and is caught by the numbers)."""
     mesh = eqxpar.make_mesh(data=1, expert=2, model=2)
     model = moe_gpt(4, 2, None, every=1, seed=2, layers=1)
-    gpt_parity(model, loss_fn, mesh, token_batch(4, 2), builder=hybrid_step)
+    gpt_parity(model, loss_fn, mesh, token_batch(4, 2))
 
 
 @pytest.mark.thorough
@@ -175,7 +101,7 @@ def test_experts_hidden_split_over_model_equals_one_device():
 def test_moe_every_other_block_equals_one_device(sizes):
     mesh = eqxpar.make_mesh(**sizes)
     model = moe_gpt(8, 2, 1.0, every=2, seed=5, layers=4)
-    gpt_parity(model, loss_fn, mesh, token_batch(16, 5), builder=hybrid_step, steps=3)
+    gpt_parity(model, loss_fn, mesh, token_batch(16, 5), steps=3)
 
 
 def routing(model, tokens, mesh):

@@ -231,12 +231,12 @@ class GPT(TensorParallelLayer):
         check_model_axis_size(self, size, "" if where == "<root>" else where)
 
     def to_dense(self) -> GPT:
-        """The GPT with every tensor-parallel layer inside it made dense (global form only)."""
-        return jax.tree.map(
-            lambda node: node.to_dense() if isinstance(node, TensorParallelLayer) else node,
-            self,
-            is_leaf=lambda node: node is not self and isinstance(node, TensorParallelLayer),
-        )
+        """The GPT itself: its global form is its own dense model (it runs on one device over
+        a mesh whose model axis has size 1), as the Llama's is. So [`eqxpar.nn.to_dense`][]
+        leaves it whole, and [`eqxpar.testing.check_parallel_parity`][] takes the same GPT as
+        the dense and the parallel model. (Its layers made dense one by one would not run:
+        the GPT calls them as its parallel layers.)"""
+        return self
 
     def __call__(
         self,
