@@ -52,8 +52,11 @@ class ActivationTheory:
 
     @property
     def per_block(self) -> int:
-        """Bytes kept per block."""
-        return sum(t.nbytes for t in self.terms if t.in_blocks)
+        """Bytes kept per block: what one more block adds when every block keeps the same
+        terms. With blocks of two kinds (an MoE GPT with `every > 1`, whose MLP terms count
+        the blocks of their kind), the mean over the blocks, rounded down; compare `blocks`
+        at two depths for what one more block of a kind adds."""
+        return self.blocks // self.num_blocks if self.num_blocks else 0
 
     @property
     def blocks(self) -> int:

@@ -22,14 +22,16 @@ with sequence parallelism, `T` without), width `d`, `H` heads of `d_h`, MLP widt
 Outside the blocks: the final norm, the head's input and the cross-entropy's softmax over
 this device's vocabulary block (the least the backward pass reads).
 
-A GPT with `moe=` (every block an MoE block, `every=1`): the batch is split over the expert
-axis too, so `b` counts the examples per device over `data x expert`. The attention half
-keeps the terms above; the MLP terms are the shared experts' (`MoEOptions.shared_experts`,
-a dense MLP; none without them): the routed experts' einsums carry no remat name, so
-`"block"` and `"save_matmuls"` recompute them. Each block's term of the loss (a weight
-times a mean over the routing groups, per auxiliary loss) keeps two float32 constants,
-four with a z-loss. Under `remat="none"` the routed experts' own arrays (router
-probabilities, dispatched tokens, expert hidden layers) are not counted: a lower bound.
+A GPT with `moe=`: the batch is split over the expert axis too, so `b` counts the examples
+per device over `data x expert`. An MoE block's attention half keeps the terms above; its
+MLP terms are the shared experts' (`MoEOptions.shared_experts`, a dense MLP; none without
+them): the routed experts' einsums carry no remat name, so `"block"` and `"save_matmuls"`
+recompute them. Each MoE block's term of the loss (a weight times a mean over the routing
+groups, per auxiliary loss) keeps two float32 constants, four with a z-loss. Under
+`remat="none"` the routed experts' own arrays (router probabilities, dispatched tokens,
+expert hidden layers) are not counted: a lower bound. With `every > 1` the blocks are of
+two kinds: each MLP term counts the blocks of its kind (`num_layers // every` MoE blocks,
+the rest plain), each attention term all of them.
 """
 
 from __future__ import annotations
@@ -90,9 +92,8 @@ def gpt_activation_theory(
     **Raises:**
 
     - `ValueError` if `model` is not a GPT, the mesh lacks an axis, sizes do not split, the
-      context axis does not match the attention, for `remat="offload"` (its saved arrays
-      live in host memory, which this does not model), or for an MoE GPT with
-      `moe.every > 1` (plain and MoE blocks keep different bytes).
+      context axis does not match the attention, or for `remat="offload"` (its saved
+      arrays live in host memory, which this does not model).
     """
     who = "gpt_activation_theory"
     sizes = gpt_step_sizes(who, model, mesh, batch_size, seq_len, batch_axis=batch_axis, context_axis=context_axis)
@@ -116,14 +117,11 @@ def gpt_activation_theory(
         raise ValueError(f"{who}: sequence_parallel splits {s_c} positions over model={n}, which does not divide them.")
 
     moe = getattr(model, "moe", None)
-    if moe is not None and moe.every != 1:
-        raise ValueError(
-            f"{who}: the GPT's moe.every={moe.every} mixes MoE and plain blocks, which keep different "
-            f"bytes; this theory models a GPT whose every block is an MoE block (every=1) or none is."
-        )
+    layers = model.num_layers
     # Stacked (scan_layers, or an MoE GPT after stack_blocks): one block with a layer axis.
-    block = model.blocks.layers if isinstance(model.blocks, StackedLayers) else model.blocks[0]
-    attention = block.attention
+    blocks_seen = (model.blocks.layers,) if isinstance(model.blocks, StackedLayers) else tuple(model.blocks)
+    moe_blocks = sum(moe.is_moe_block(i) for i in range(layers)) if moe is not None else 0
+    attention = blocks_seen[0].attention
     e = np.dtype(dtype or model.position_embedding.weight.dtype).itemsize
     f32 = np.dtype(jnp.float32).itemsize
     t = sizes.tokens  # tokens in the tensor-parallel regions
@@ -131,17 +129,26 @@ def gpt_activation_theory(
     dim = model.position_embedding.weight.shape[-1]
     heads = attention.num_heads // n
     qk, vo = heads * attention.qk_size, heads * attention.vo_size  # per device, per token
-    # An MoE block's dense MLP is its shared experts' (none: 0); its routed experts are
-    # einsums no remat policy names, recomputed under "block" and "save_matmuls".
-    mlp = block.shared_experts if moe is not None else block.mlp
-    hidden = 0 if mlp is None else mlp.hidden.weight.shape[-2] // n
+    # Hidden units per device of a plain block's MLP, and of an MoE block's dense MLP: its
+    # shared experts' (none: 0); its routed experts are einsums no remat policy names,
+    # recomputed under "block" and "save_matmuls".
+    plain = next((b.mlp for b in blocks_seen if not hasattr(b, "shared_experts")), None)
+    shared = next((b.shared_experts for b in blocks_seen if hasattr(b, "shared_experts")), None)
+    hidden = 0 if plain is None else plain.hidden.weight.shape[-2] // n
+    shared_hidden = 0 if shared is None else shared.hidden.weight.shape[-2] // n
     residual_dropout = _active(model.dropout.p)
-    layers = model.num_layers
     # Context-parallel attention computes its scores and products in float32.
     a_e = f32 if context else e
 
-    def per_block(what: str, nbytes: int) -> ActivationTerm:
-        return ActivationTerm(what, int(nbytes), layers, in_blocks=True)
+    def per_block(what: str, nbytes: int, count: int = layers) -> ActivationTerm:
+        return ActivationTerm(what, int(nbytes), count, in_blocks=True)
+
+    def mlp_hidden(what: str, values_per_unit: int) -> tuple[ActivationTerm, ...]:
+        """The hidden-layer term of the plain blocks' MLPs and of the MoE blocks' shared experts."""
+        return (
+            per_block(what, values_per_unit * hidden, layers - moe_blocks),
+            per_block(f"shared experts' {what}", values_per_unit * shared_hidden, moe_blocks),
+        )
 
     block_input = per_block("block input (residual stream)", t_r * dim * e)
     # A recomputed block draws its dropout masks again from its key (JAX's default key type).
@@ -151,7 +158,9 @@ def gpt_activation_theory(
     # Each MoE block's term of the loss (`weighted_aux`: a weight times a mean over the
     # routing groups, per auxiliary loss) keeps its two float32 constants for the backward.
     aux_terms = 0 if moe is None else 2 if moe.z_loss_weight else 1
-    block_aux = per_block("MoE auxiliary-loss weight and mean divisor per loss term (float32)", aux_terms * 2 * f32)
+    block_aux = per_block(
+        "MoE auxiliary-loss weight and mean divisor per loss term (float32)", aux_terms * 2 * f32, moe_blocks
+    )
     if model.remat == "block":
         blocks = (block_input, block_key, block_aux)
     elif model.remat == "save_matmuls":
@@ -160,7 +169,7 @@ def gpt_activation_theory(
             block_key,
             per_block("q, k, v (column-parallel outputs)", t * (2 * qk + vo) * e),
             per_block("output projection (partial sums, before the model-axis sum)", t * dim * e),
-            per_block("MLP hidden layer (column-parallel output)", t * hidden * e),
+            *mlp_hidden("MLP hidden layer (column-parallel output)", t * e),
             block_aux,
         )
     else:
@@ -179,7 +188,7 @@ def gpt_activation_theory(
             kept_attention,
             per_block("keys and values gathered over the context axis", gathered),
             per_block("attention output (output projection input)", t * vo * e),
-            per_block("MLP hidden layer, before and after the activation", 2 * t * hidden * e),
+            *mlp_hidden("MLP hidden layer, before and after the activation", 2 * t * e),
             block_aux,
             per_block("residual dropout masks", 2 * t_r * dim if residual_dropout else 0),
             per_block("attention dropout mask", b * heads * s_c * seq_len if attention_dropout else 0),
