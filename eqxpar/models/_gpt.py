@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Literal, cast
+from typing import Literal, cast, overload
 
 import equinox as eqx
 import jax
@@ -237,6 +237,26 @@ class GPT(TensorParallelLayer):
         the dense and the parallel model. (Its layers made dense one by one would not run:
         the GPT calls them as its parallel layers.)"""
         return self
+
+    @overload
+    def __call__(
+        self,
+        tokens: Int[Array, "*batch seq"],
+        *,
+        key: PRNGKeyArray | None = None,
+        inference: bool | None = None,
+        return_aux: Literal[False] = False,
+    ) -> Float[Array, "*batch seq vocab_block"]: ...
+
+    @overload
+    def __call__(
+        self,
+        tokens: Int[Array, "*batch seq"],
+        *,
+        key: PRNGKeyArray | None = None,
+        inference: bool | None = None,
+        return_aux: Literal[True],
+    ) -> tuple[Float[Array, "*batch seq vocab_block"], tuple]: ...
 
     def __call__(
         self,

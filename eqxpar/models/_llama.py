@@ -4,6 +4,7 @@ attention and SwiGLU MLPs, built from tensor-parallel layers (Hugging Face's fie
 from __future__ import annotations
 
 import numbers
+from typing import Literal, overload
 
 import equinox as eqx
 import jax
@@ -217,6 +218,16 @@ class Llama(TensorParallelLayer):
             ColumnParallelLinear, config.dim, config.vocab_size, False, axis_name=self.axis_name, key=jax.random.key(0)
         )
         return eqx.tree_at(lambda l: l.weight, shape, self.embed_tokens.weight)
+
+    @overload
+    def __call__(
+        self, tokens: Int[Array, "*batch seq"], *, key: PRNGKeyArray | None = None, return_aux: Literal[False] = False
+    ) -> Float[Array, "*batch seq vocab_block"]: ...
+
+    @overload
+    def __call__(
+        self, tokens: Int[Array, "*batch seq"], *, key: PRNGKeyArray | None = None, return_aux: Literal[True]
+    ) -> tuple[Float[Array, "*batch seq vocab_block"], tuple]: ...
 
     def __call__(
         self, tokens: Int[Array, "*batch seq"], *, key: PRNGKeyArray | None = None, return_aux: bool = False
