@@ -20,14 +20,18 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from ..models import GPT, GPTConfig
-from ..nn import StackedLayers
+from ..models import GPT, GPTConfig, MoEBlock, MoEOptions
+from ..nn import MixtureOfExperts, StackedLayers
 
 # The mesh axes a plan may use, outermost first (the innermost, `model`, varies fastest
 # over device ids, so it stays inside a host longest; `stage`, outermost, crosses hosts
 # first: only stage outputs and their gradients cross it).
 AXES = ("stage", "data", "fsdp", "context", "model")
 """The mesh axes a plan uses, in mesh order (outermost first)."""
+EXPERT_AXES = ("stage", "data", "fsdp", "expert", "context", "model")
+"""The mesh axes of a plan for a mixture-of-experts GPT (`plan(..., moe=...)`), in mesh
+order: `expert` (the experts split over it, the batch too) inside the batch axes, so that
+its all-to-alls stay inside a host before the gradient sums over `data` and `fsdp` do."""
 
 
 def abstract_gpt(
@@ -38,8 +42,10 @@ def abstract_gpt(
     sequence_parallel: bool,
     attention_impl: str,
     pad_vocab_to_multiple_of: int,
+    moe: MoEOptions | None = None,
 ) -> GPT:
-    """The GPT of `config` with zero-memory leaves (see the module docs)."""
+    """The GPT of `config` with zero-memory leaves (see the module docs), its blocks stacked;
+    with `moe` (`every=1`: the planner checks it), every block an MoE block."""
     return _abstract_gpt(
         config.context,
         config.dim,
@@ -50,13 +56,16 @@ def abstract_gpt(
         sequence_parallel,
         attention_impl,
         pad_vocab_to_multiple_of,
+        moe,
     )
 
 
 @functools.lru_cache(maxsize=64)
-def _abstract_gpt(context, dim, heads, layers, vocab, remat, sequence_parallel, attention_impl, pad) -> GPT:
+def _abstract_gpt(context, dim, heads, layers, vocab, remat, sequence_parallel, attention_impl, pad, moe) -> GPT:
     # One block is built and then stacked `layers` times (cheaper than building the
-    # stack: the GPT's constructor makes and converts every block).
+    # stack: the GPT's constructor makes and converts every block). A GPT with `moe=` is
+    # built with its blocks as a tuple (its constructor's rule) and stacked the same way,
+    # as `eqxpar.models.stack_blocks` stacks it.
     one = eqx.filter_eval_shape(
         GPT,
         vocab,
@@ -67,15 +76,23 @@ def _abstract_gpt(context, dim, heads, layers, vocab, remat, sequence_parallel, 
         attention_dropout_p=0.0,
         pad_vocab_to_multiple_of=pad,
         attention_impl=attention_impl,
-        scan_layers=True,
+        scan_layers=moe is None,
         remat=remat,
         sequence_parallel=sequence_parallel,
+        moe=moe,
         key=jax.random.key(0),
     )
-    block = one.blocks.unstack()[0]
+    block = one.blocks.unstack()[0] if moe is None else one.blocks[0]
     blocks = eqx.filter_eval_shape(lambda b: StackedLayers([b] * layers, axis_name=one.axis_name), block)
     shapes = eqx.tree_at(lambda m: m.blocks, one, blocks)
     return jax.tree.map(_zero_memory, shapes, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+
+def experts_of(gpt: GPT) -> MixtureOfExperts | None:
+    """The mixture of experts of the stacked GPT's blocks (its arrays with a layer axis),
+    or None for a GPT without experts."""
+    layers = gpt.blocks.layers if isinstance(gpt.blocks, StackedLayers) else None
+    return layers.moe if isinstance(layers, MoEBlock) else None
 
 
 def _zero_memory(leaf: Any) -> Any:
@@ -85,16 +102,17 @@ def _zero_memory(leaf: Any) -> Any:
 
 
 def abstract_mesh(sizes: dict[str, int]) -> Mesh:
-    """A mesh with the axes of `sizes` (all of `AXES`, in that order) over copies of one
-    device: for the theories, which read only axis sizes."""
-    return _abstract_mesh(tuple(sizes.get(a, 1) for a in AXES))
+    """A mesh with the axes of `sizes` (a layout's `sizes`: all of `AXES`, or of
+    `EXPERT_AXES`, in that order) over copies of one device: for the theories, which read
+    only axis sizes."""
+    return _abstract_mesh(tuple(sizes), tuple(sizes.values()))
 
 
 @functools.lru_cache(maxsize=4096)
-def _abstract_mesh(shape: tuple[int, ...]) -> Mesh:
+def _abstract_mesh(names: tuple[str, ...], shape: tuple[int, ...]) -> Mesh:
     devices = np.empty(shape, dtype=object)
     devices.fill(jax.devices()[0])
-    return Mesh(devices, AXES)
+    return Mesh(devices, names)
 
 
 def tree_bytes(tree: Any) -> int:

@@ -13,12 +13,10 @@ from jax.sharding import PartitionSpec
 
 from .._mesh import make_mesh
 from .._sharding import shard
-from ..models import GPT, gpt_stages, next_token_loss
+from ..models import GPT, gpt_stages, next_token_loss, stack_blocks
 from ..nn import vocab_parallel_cross_entropy, zigzag_order
 from ..train import Precision, TrainStep, fsdp_step, hybrid_step, pipeline_step
 from ._candidates import Layout
-
-BATCH_AXES = ("data", "fsdp")
 
 
 def build_mesh(layout: Layout, devices: Sequence[Any] | None = None):
@@ -28,7 +26,7 @@ def build_mesh(layout: Layout, devices: Sequence[Any] | None = None):
 
 def build_model(plan: Any, key: Any) -> GPT:
     c, layout = plan.config, plan.layout
-    return GPT(
+    gpt = GPT(
         plan.vocab_size,
         c.context,
         c.dim,
@@ -37,11 +35,13 @@ def build_model(plan: Any, key: Any) -> GPT:
         attention_dropout_p=0.0,
         pad_vocab_to_multiple_of=plan.pad_vocab_to_multiple_of,
         attention_impl=layout.attention,
-        scan_layers=True,
+        scan_layers=plan.moe is None,  # a GPT with moe= is built unscanned, then stacked
         remat=layout.remat if layout.stage == 1 else "none",  # a pipeline's remat is its own
         sequence_parallel=layout.sequence_parallel,
+        moe=plan.moe,
         key=key,
     )
+    return gpt if plan.moe is None else stack_blocks(gpt)
 
 
 def whole_loss(model: GPT, tokens: Any, key: Any = None):
@@ -54,13 +54,15 @@ def split_loss(model: GPT, batch: Any, key: Any = None):
     inputs and targets already in zigzag layout)."""
     inputs, targets = batch
     logits = model(inputs, key=key)
-    assert not isinstance(logits, tuple)  # no return_aux=True: the logits alone (plans have no MoE blocks)
+    assert not isinstance(logits, tuple)  # no return_aux=True: the logits alone (an MoE plan has no context axis)
     return jnp.mean(vocab_parallel_cross_entropy(logits, targets, model.axis_name, model.vocab_size))
 
 
 def build_step(plan: Any, optimizer: optax.GradientTransformation, mesh: Any, *, precision: Any = None) -> TrainStep:
     layout = plan.layout
     context_axis = "context" if layout.context > 1 else None
+    batch_axis = ("data", "fsdp")  # and "expert" with an expert axis: the step adds it
+    expert_axis = "expert" if layout.expert is not None else None
     loss = split_loss if context_axis else whole_loss
     if precision is None and plan.dtype != jnp.float32:
         precision = Precision(compute_dtype=plan.dtype)
@@ -69,7 +71,7 @@ def build_step(plan: Any, optimizer: optax.GradientTransformation, mesh: Any, *,
             gpt_stages(),
             optimizer,
             mesh,
-            batch_axis=BATCH_AXES,
+            batch_axis=batch_axis,
             stage_axis="stage",
             schedule=layout.schedule,
             microbatches=layout.microbatches,
@@ -77,14 +79,21 @@ def build_step(plan: Any, optimizer: optax.GradientTransformation, mesh: Any, *,
             precision=precision,
             remat=layout.remat == "block" and layout.schedule != "1f1b",
         )
-    if layout.fsdp > 1:
-        return fsdp_step(loss, optimizer, mesh, batch_axis=BATCH_AXES, context_axis=context_axis, precision=precision)
-    return hybrid_step(loss, optimizer, mesh, batch_axis=BATCH_AXES, context_axis=context_axis, precision=precision)
+    make = fsdp_step if layout.fsdp > 1 else hybrid_step
+    return make(
+        loss,
+        optimizer,
+        mesh,
+        batch_axis=batch_axis,
+        context_axis=context_axis,
+        expert_axis=expert_axis,
+        precision=precision,
+    )
 
 
 def build_batch(layout: Layout, tokens: Any, mesh: Any):
     if layout.context == 1:
-        return shard(tokens, mesh, PartitionSpec(BATCH_AXES))
+        return shard(tokens, mesh, PartitionSpec(layout.batch_axes))
     order = zigzag_order(tokens.shape[-1] - 1, layout.context)
     inputs, targets = tokens[:, :-1][:, order], tokens[:, 1:][:, order]
-    return shard((inputs, targets), mesh, PartitionSpec(BATCH_AXES, "context"))
+    return shard((inputs, targets), mesh, PartitionSpec(layout.batch_axes, "context"))

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from ..models import GPT, gpt_activation_theory, gpt_tensor_parallel_theory
 from ..nn import zigzag_order
 from ..train import make_schedule
-from ._abstract import AXES, abstract_gpt, abstract_mesh
+from ._abstract import AXES, EXPERT_AXES, abstract_gpt, abstract_mesh, experts_of
 
 REMATS = ("none", "save_matmuls", "block")
 """The GPT remat policies a plan chooses from (`"offload"` is not modelled)."""
@@ -36,7 +36,11 @@ class Layout:
     `"gpipe"`, `"1f1b"`, `"circular"`, `microbatches` per batch shard, `virtual_stages`
     layer chunks per device (circular). `remat` is then the pipeline's: `"none"` keeps
     every tick's activations, `"block"` keeps only each tick's input and recomputes the
-    stage (GPipe's `remat=True`; 1F1B always does)."""
+    stage (GPipe's `remat=True`; 1F1B always does).
+
+    `expert` is None for a GPT without experts (no expert axis in the mesh); for a
+    mixture-of-experts GPT (`plan(..., moe=...)`) the size of the `expert` axis (1
+    included): the experts split over it, and the batch over `data x fsdp x expert`."""
 
     data: int
     fsdp: int
@@ -49,15 +53,25 @@ class Layout:
     schedule: str = ""
     microbatches: int = 1
     virtual_stages: int = 1
+    expert: int | None = None
 
     @property
     def sizes(self) -> dict[str, int]:
-        """Axis name to size, for every axis (size-1 axes included), in mesh order."""
-        return {a: getattr(self, a) for a in AXES}
+        """Axis name to size, for every axis (size-1 axes included), in mesh order
+        (`EXPERT_AXES` with an expert axis)."""
+        if self.expert is None:
+            return {a: getattr(self, a) for a in AXES}
+        return {a: getattr(self, a) for a in EXPERT_AXES}
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The axes the step splits the batch over: `data, fsdp`, and `expert` after them
+        with an expert axis (the step builders' `expert_axis` adds it)."""
+        return ("data", "fsdp") if self.expert is None else ("data", "fsdp", "expert")
 
     @property
     def batch_shards(self) -> int:
-        return self.data * self.fsdp
+        return math.prod(self.sizes[a] for a in self.batch_axes)
 
     def mesh_text(self) -> str:
         """The axes of size above 1 as `data=2,model=4` (`"one device"` for none)."""
@@ -92,13 +106,19 @@ def factorisations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
                 yield (first, *rest)
 
 
-def layouts(devices: int, axes: tuple[str, ...] = AXES) -> Iterator[Layout]:
+def layouts(devices: int, axes: tuple[str, ...] = AXES, experts: bool = False) -> Iterator[Layout]:
     """Every layout of `devices` devices over `axes` (the others of size 1), before any
     divisibility rule. A pipeline (`stage > 1`) comes once per remat, with no schedule
     yet ([`pipeline_variants`][] adds them): with `data` and `model` around it only, as
     the planner prices it (no `context`, no sequence parallelism: `pipeline_step` runs
     whole sequences; no `fsdp`: FSDP inside the stages is not priced yet), and remat
-    `none` or `block` (the pipeline's own)."""
+    `none` or `block` (the pipeline's own).
+
+    With `experts` (a mixture-of-experts GPT), the layouts of `data x fsdp x expert x
+    model` ([`expert_layouts`][])."""
+    if experts:
+        yield from expert_layouts(devices, axes)
+        return
     for stage, data, fsdp, context, model in factorisations(devices, 5):
         sizes = {"stage": stage, "data": data, "fsdp": fsdp, "context": context, "model": model}
         if any(n > 1 and a not in axes for a, n in sizes.items()):
@@ -112,6 +132,20 @@ def layouts(devices: int, axes: tuple[str, ...] = AXES) -> Iterator[Layout]:
             for sp in (False, True) if model > 1 else (False,):
                 for attention in CONTEXT_ATTENTION if context > 1 else ("dot_product",):
                     yield Layout(data, fsdp, context, model, remat, sp, attention)
+
+
+def expert_layouts(devices: int, axes: tuple[str, ...]) -> Iterator[Layout]:
+    """The layouts of a mixture-of-experts GPT: `data x fsdp x expert x model` over `axes`,
+    times remat. Not `context` nor sequence parallelism: the GPT refuses `moe=` with
+    either (it routes whole sequences: `eqxpar.models.GPT`'s own check). Not `stage`:
+    `pipeline_step` takes no `expert_axis` (its MoE layers split each micro-batch over an
+    axis that carries no batch), a layout the planner does not price."""
+    for data, fsdp, expert, model in factorisations(devices, 4):
+        sizes = {"data": data, "fsdp": fsdp, "expert": expert, "model": model}
+        if any(n > 1 and a not in axes for a, n in sizes.items()):
+            continue
+        for remat in REMATS:
+            yield Layout(data, fsdp, 1, model, remat, False, "dot_product", expert=expert)
 
 
 PIPELINE_REMATS = ("none", "block")
@@ -153,7 +187,9 @@ def rule_out(layout: Layout, gpt: GPT, batch: int, seq: int) -> str | None:
     `check_axis_size` (heads, MLP width and padded vocabulary split over `model`), the GPT's
     theories (the batch over `data x fsdp`, the sequence over `context`, and over
     `context x model` with sequence parallelism), the zigzag layout of context parallelism
-    (the sequence in `2 x context` equal chunks).
+    (the sequence in `2 x context` equal chunks); with an expert axis, the MoE layers' own
+    `check_axis_size` (the experts over `expert`, as the step builders check them) and
+    the batch over `data x fsdp x expert`.
     """
     mesh = abstract_mesh(layout.sizes)
     if layout.stage > 1:
@@ -171,9 +207,13 @@ def rule_out(layout: Layout, gpt: GPT, batch: int, seq: int) -> str | None:
     if split:
         return split
     context_axis = "context" if layout.context > 1 else None
+    axes = layout.batch_axes
     try:
-        gpt_tensor_parallel_theory(gpt, mesh, batch, seq, batch_axis=("data", "fsdp"), context_axis=context_axis)
-        gpt_activation_theory(gpt, mesh, batch, seq, batch_axis=("data", "fsdp"), context_axis=context_axis)
+        experts = experts_of(gpt)
+        if layout.expert is not None and experts is not None:
+            experts.check_axis_size(layout.expert, "blocks")
+        gpt_tensor_parallel_theory(gpt, mesh, batch, seq, batch_axis=axes, context_axis=context_axis)
+        gpt_activation_theory(gpt, mesh, batch, seq, batch_axis=axes, context_axis=context_axis)
         if context_axis:
             zigzag_order(seq, layout.context)
     except ValueError as error:
@@ -202,11 +242,11 @@ def _pipeline_rule(layout: Layout, gpt: GPT, batch: int) -> str | None:
     return None
 
 
-def no_layout_message(config, batch, seq, cluster, vocab_size, pad, axes, pipeline) -> str:
+def no_layout_message(config, batch, seq, cluster, vocab_size, pad, axes, pipeline, moe=None) -> str:
     """The message for a batch (and sequence) no layout over `axes` divides, naming the
     smallest batch above `batch` that one would (a pipeline's with 2 micro-batches)."""
     candidates = []
-    for lay in layouts(cluster.devices, axes):
+    for lay in layouts(cluster.devices, axes, experts=moe is not None):
         if pipeline is not None and (lay.stage > 1) != pipeline:
             continue
         if lay.stage > 1:
@@ -219,18 +259,22 @@ def no_layout_message(config, batch, seq, cluster, vocab_size, pad, axes, pipeli
                 sequence_parallel=False,
                 attention_impl=lay.attention,
                 pad_vocab_to_multiple_of=pad,
+                moe=moe,
             )
             candidates.append((lay, gpt))
+    shards = "data x fsdp" if moe is None else "data x fsdp x expert"
     for larger in range(batch + 1, batch * cluster.devices + cluster.devices + 1):
         if any(rule_out(lay, gpt, larger, seq) is None for lay, gpt in candidates):
             return (
                 f"plan: no layout of {cluster.devices} devices over {' x '.join(axes)} divides batch={batch} "
                 f"(seq={seq}) for {config}: the "
-                f"batch must split over data x fsdp (and a pipeline's micro-batches, at least 2), and the other "
-                f"devices over model (heads, MLP width, vocabulary), context (the sequence, in 2 x context chunks) "
-                f"and stage (the layers). The smallest batch above it that a layout divides is {larger}."
+                f"batch must split over {shards} (and a pipeline's micro-batches, at least 2), "
+                f"and the other devices over model (heads, MLP width, vocabulary), context (the sequence, in 2 x "
+                f"context chunks) and stage (the layers). The smallest batch above it that a layout divides is "
+                f"{larger}."
             )
+    experts = f", {moe.num_experts} experts over expert" if moe is not None else ""
     return (
         f"plan: no layout of {cluster.devices} devices fits {config} (heads, MLP width and vocabulary over model, "
-        f"seq={seq} over context, layers over stage): use a device count that divides them."
+        f"seq={seq} over context, layers over stage{experts}): use a device count that divides them."
     )

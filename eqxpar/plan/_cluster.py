@@ -54,7 +54,8 @@ class Cluster:
     - `name`: for tables and reasons.
 
     **Which link an axis crosses.** Mesh axes are laid out inner to outer in the order
-    `model, context, fsdp, data, stage` (the innermost varies fastest over device ids). A
+    `model, context, expert, fsdp, data, stage` (the innermost varies fastest over device
+    ids; `expert` only in plans for a mixture-of-experts GPT). A
     collective over a set of axes stays inside a host when its group's devices span at most
     `devices_per_host` consecutive ids, that is when the product of the sizes of the axes
     up to the outermost one it uses is at most `devices_per_host`; otherwise it crosses
@@ -139,7 +140,7 @@ class Cluster:
     def link(self, axes: tuple[str, ...], sizes: dict[str, int]) -> Link:
         """The slowest link a collective over `axes` crosses on a mesh of `sizes` (see the
         class docs for the layout)."""
-        inner = ("model", "context", "fsdp", "data", "stage")
+        inner = ("model", "context", "expert", "fsdp", "data", "stage")
         used = [a for a in inner if a in axes and sizes.get(a, 1) > 1]
         if any(self.axis_links.get(a) == "inter" for a in used):
             return self.inter

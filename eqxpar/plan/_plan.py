@@ -12,14 +12,15 @@ import numpy as np
 import optax
 
 from ..inspect import CommTheory
-from ..models import GPT, GPTConfig
+from ..models import GPT, GPTConfig, MoEOptions
 from . import _cluster, _pipeline
-from ._abstract import AXES, abstract_gpt, abstract_mesh
+from ._abstract import AXES, EXPERT_AXES, abstract_gpt, abstract_mesh
 from ._build import build_batch, build_mesh, build_model, build_step
 from ._candidates import REMATS, Layout, clear_checks, layouts, no_layout_message, pipeline_variants, rule_out
 from ._cluster import Cluster
+from ._experts import check_moe
 from ._predict import clear_caches, layout_specs
-from ._predict_comm import comm_theory
+from ._predict_comm import comm_theory, in_dtype
 from ._predict_memory import Memory, memory
 from ._predict_time import StepTime, flops_per_device, step_time
 
@@ -57,10 +58,11 @@ class Plan:
     dtype: Any
     pad_vocab_to_multiple_of: int
     optimizer: optax.GradientTransformation
+    moe: MoEOptions | None = None
 
     def mesh(self, devices: Sequence[Any] | None = None):
-        """The mesh: axes `data, fsdp, context, model` (size-1 axes included), over the first
-        devices of `devices` (default `jax.devices()`)."""
+        """The mesh: axes `stage, data, fsdp, context, model` (`EXPERT_AXES` with experts;
+        size-1 axes included), over the first devices of `devices` (default `jax.devices()`)."""
         return build_mesh(self.layout, devices)
 
     def model(self, key: Any) -> GPT:
@@ -69,21 +71,24 @@ class Plan:
         return build_model(self, key)
 
     def step(self, optimizer: optax.GradientTransformation, mesh: Any = None, *, precision: Any = None):
-        """The train step ([`eqxpar.train.hybrid_step`][], or [`eqxpar.train.fsdp_step`][] with
-        `fsdp > 1`) on `mesh` (default `self.mesh()`), taking batches from `self.batch`."""
+        """The train step ([`eqxpar.train.hybrid_step`][], [`eqxpar.train.fsdp_step`][] with
+        `fsdp > 1`, [`eqxpar.train.pipeline_step`][] with `stage > 1`; with experts
+        `expert_axis="expert"`) on `mesh` (default `self.mesh()`), taking batches from
+        `self.batch`."""
         return build_step(self, optimizer, mesh if mesh is not None else self.mesh(), precision=precision)
 
     def batch(self, tokens: Any, mesh: Any):
-        """`tokens` (`(batch, seq + 1)` ids) placed for the step: split over `data x fsdp`,
-        and with a context axis reordered into zigzag layout and cut into inputs and targets."""
+        """`tokens` (`(batch, seq + 1)` ids) placed for the step: split over `data x fsdp`
+        (`x expert` with experts), and with a context axis reordered into zigzag layout and
+        cut into inputs and targets."""
         return build_batch(self.layout, tokens, mesh)
 
     def comm_in_dtype(self) -> CommTheory:
         """`comm` as the step's time prices it: the activation collectives (over `model` and
-        `context`) carried in the compute dtype, the gradient and parameter collectives in
-        float32. The same as `comm` for float32 compute; with bfloat16 an approximation
-        (see docs/concepts/planner.md)."""
-        return _in_dtype(self.comm, np.float32, self.dtype)
+        `context`, the all-to-alls over `expert`) carried in the compute dtype, the gradient
+        and parameter collectives in float32. The same as `comm` for float32 compute; with
+        bfloat16 an approximation (see docs/concepts/planner.md)."""
+        return in_dtype(self.comm, np.float32, self.dtype)
 
     def row(self, seconds: float = 1e-3, nbytes: float = GB) -> tuple[str, ...]:
         """The plan as a row of [`eqxpar.plan.table`][], times in units of `seconds` (ms by
@@ -168,10 +173,11 @@ def plan(
     vocab_size: int = 50257,
     pad_vocab_to_multiple_of: int = 128,
     remats: Sequence[str] = REMATS,
-    axes: Sequence[str] = AXES,
+    axes: Sequence[str] | None = None,
     sequence_parallel: Sequence[bool] = (False, True),
     include_infeasible: bool = False,
     pipeline: bool | None = None,
+    moe: MoEOptions | None = None,
 ) -> list[Plan]:
     """The fastest layouts of a GPT train step that fit the cluster, best first.
 
@@ -203,12 +209,16 @@ def plan(
     - `top`: how many plans to return (None: all).
     - `vocab_size`, `pad_vocab_to_multiple_of`: the GPT's vocabulary (GPT-2's by default).
     - `remats`: the remat policies to consider.
-    - `axes`: the mesh axes a plan may use (default all five; e.g. `("data", "model")` for
-      a recipe that builds only those).
+    - `axes`: the mesh axes a plan may use (default all of `AXES`, and `expert` with `moe`;
+      e.g. `("data", "model")` for a recipe that builds only those).
     - `sequence_parallel`: the sequence-parallelism choices to consider (`(False,)` for a
       caller whose model must also run whole sequences, e.g. to sample from it).
     - `include_infeasible`: also return the plans that do not fit (after those that do).
     - `pipeline`: `True` for pipelines only (`stage > 1`), `False` for none, `None` for both.
+    - `moe`: an [`eqxpar.models.MoEOptions`][] with `every=1` to plan the GPT with a
+      mixture of experts in every block: the layouts of `data x fsdp x expert x model`
+      (no context axis, sequence parallelism or pipeline: see docs/concepts/planner.md),
+      the experts and the batch split over `expert`.
 
     **Returns:**
 
@@ -236,8 +246,12 @@ def plan(
     bad = [r for r in remats if r not in REMATS]
     if bad or not remats:
         raise ValueError(f"plan: remats must be a non-empty subset of {REMATS}, got {tuple(remats)!r}.")
-    if not axes or any(a not in AXES for a in axes):
-        raise ValueError(f"plan: axes must be a non-empty subset of {AXES}, got {tuple(axes)!r}.")
+    if moe is not None:
+        check_moe(config, moe, vocab_size, pad_vocab_to_multiple_of, pipeline)
+    known = AXES if moe is None else EXPERT_AXES
+    axes = known if axes is None else axes
+    if not axes or any(a not in known for a in axes):
+        raise ValueError(f"plan: axes must be a non-empty subset of {known}, got {tuple(axes)!r}.")
     if pipeline not in (None, True, False):
         raise ValueError(f"plan: pipeline must be True, False or None, got {pipeline!r}.")
     if not sequence_parallel or any(not isinstance(sp, bool) for sp in sequence_parallel):
@@ -249,18 +263,20 @@ def plan(
     _pipeline.clear_caches()
     clear_checks()
     plans = []
-    for base in layouts(cluster.devices, tuple(axes)):
+    for base in layouts(cluster.devices, tuple(axes), experts=moe is not None):
         if base.remat not in remats or (base.model > 1 and base.sequence_parallel not in sequence_parallel):
             continue
         if pipeline is not None and (base.stage > 1) != pipeline:
             continue
         for layout in pipeline_variants(base, batch, config.layers) if base.stage > 1 else (base,):
-            priced = price(layout, config, batch, seq, cluster, opt, dtype, vocab_size, pad_vocab_to_multiple_of)
+            priced = price(layout, config, batch, seq, cluster, opt, dtype, vocab_size, pad_vocab_to_multiple_of, moe)
             if priced is not None:
                 plans.append(priced)
     if not plans:
         raise ValueError(
-            no_layout_message(config, batch, seq, cluster, vocab_size, pad_vocab_to_multiple_of, tuple(axes), pipeline)
+            no_layout_message(
+                config, batch, seq, cluster, vocab_size, pad_vocab_to_multiple_of, tuple(axes), pipeline, moe
+            )
         )
     fitting = [p for p in plans if p.fits]
     if not fitting and not include_infeasible:
@@ -297,6 +313,7 @@ def price(
     dtype: Any,
     vocab_size: int,
     pad: int,
+    moe: MoEOptions | None = None,
 ) -> Plan | None:
     """The [`eqxpar.plan.Plan`][] for one layout, or None when a divisibility rule rules it out."""
     gpt = abstract_gpt(
@@ -306,6 +323,7 @@ def price(
         sequence_parallel=layout.sequence_parallel,
         attention_impl=layout.attention,
         pad_vocab_to_multiple_of=pad,
+        moe=moe,
     )
     if rule_out(layout, gpt, batch, seq) is not None:
         return None
@@ -320,7 +338,7 @@ def price(
         comm = comm_theory(gpt, mesh, layout, specs, batch, seq)
         mem = memory(gpt, mesh, layout, specs, optimizer, batch, seq, dtype, cluster.fused_attention)
         flops = flops_per_device(gpt, layout, batch, seq)
-    time, _ = step_time(_in_dtype(comm, gpt.position_embedding.weight.dtype, dtype), flops, layout, cluster, dtype)
+    time, _ = step_time(in_dtype(comm, gpt.position_embedding.weight.dtype, dtype), flops, layout, cluster, dtype)
     return Plan(
         layout=layout,
         comm=comm,
@@ -336,24 +354,8 @@ def price(
         dtype=dtype,
         pad_vocab_to_multiple_of=pad,
         optimizer=optimizer,
+        moe=moe,
     )
-
-
-def _in_dtype(comm: CommTheory, param_dtype: Any, dtype: Any) -> CommTheory:
-    """The activation collectives (over `model` and `context`, and a pipeline's stage
-    outputs: collective-permutes over `stage`) carried in the compute dtype: the theory
-    counts the parameters' dtype; gradients and parameters keep it."""
-    ratio = np.dtype(dtype).itemsize / np.dtype(param_dtype).itemsize
-    if ratio == 1:
-        return comm
-    terms = tuple(dataclasses.replace(t, bytes=int(t.bytes * ratio)) if _is_activation(t) else t for t in comm.terms)
-    return CommTheory(terms)
-
-
-def _is_activation(t: Any) -> bool:
-    if set(t.axes) & {"model", "context"}:
-        return True
-    return t.kind == "collective-permute" and t.axes == ("stage",) and not t.what.startswith("circular")
 
 
 def _reason(p: Plan, index: int, ranked: list[Plan], cluster: Cluster) -> str:

@@ -21,9 +21,6 @@ from ..nn import StackedLayers, partition_specs
 from ..train import fsdp_specs, optimizer_specs
 from ._candidates import Layout
 
-# The batch is split over both: `data` copies the parameters, `fsdp` slices them.
-BATCH_AXES = ("data", "fsdp")
-
 
 def clear_caches() -> None:
     """Forget the specs, optimizer layouts and leaf tables kept by object id (one plan
@@ -66,13 +63,17 @@ def block_bytes(
     split_only: bool = False,
     dtype: Any = None,
     floating_only: bool = True,
+    over: str | None = None,
 ) -> int:
     """Bytes of one device's blocks of `tree`'s floating-point arrays (every array with
     `floating_only=False`: an optimizer's step counts too) laid out by `specs` (with
-    `split_only`, only those split over `fsdp`; with `dtype`, as if in that dtype)."""
+    `split_only`, only those split over `fsdp`; with `over`, only those split over that
+    axis; with `dtype`, as if in that dtype)."""
     total = 0
     for shape, itemsize, dims in _leaf_table(tree, specs, floating_only):
         if split_only and not any("fsdp" in axes for axes in dims):
+            continue
+        if over is not None and not any(over in axes for axes in dims):
             continue
         blocks = [size // math.prod(sizes[a] for a in axes) for size, axes in zip(shape, dims)]
         total += math.prod(blocks) * (np.dtype(dtype).itemsize if dtype is not None else itemsize)

@@ -7,14 +7,15 @@ import dataclasses
 import math
 from typing import Any
 
+import numpy as np
 from jax.sharding import Mesh
 
 from ..inspect import CommTheory, TheoryTerm, context_parallel_theory, data_parallel_theory, fsdp_theory
 from ..models import GPT, gpt_tensor_parallel_theory
-from ._abstract import AXES
 from ._candidates import Layout
 from ._cluster import Link
-from ._predict import BATCH_AXES, attention_of, block_bytes
+from ._experts import expert_comm
+from ._predict import attention_of, block_bytes
 
 # Bytes over each device's link per byte of the array a collective is defined on (the
 # bytes convention of eqxpar.inspect), for a ring of n devices: an all-reduce is a
@@ -40,7 +41,8 @@ RING_HOPS = {
 
 
 def _key(axes: tuple[str, ...], sizes: dict[str, int]) -> tuple[str, ...]:
-    return tuple(a for a in AXES if a in axes and sizes[a] > 1)
+    """`axes` of size above 1, in mesh order (the order of a layout's `sizes`)."""
+    return tuple(a for a in sizes if a in axes and sizes[a] > 1)
 
 
 def comm_theory(gpt: GPT, mesh: Mesh, layout: Layout, specs: Any, batch: int, seq: int) -> CommTheory:
@@ -52,17 +54,22 @@ def comm_theory(gpt: GPT, mesh: Mesh, layout: Layout, specs: Any, batch: int, se
       the other batch axes (`data`, `context`) with one all-reduce of each device's block,
       and the loss's reduction runs over all batch axes together;
     - `gpt_tensor_parallel_theory` over `model` (with remat when the GPT recomputes), and
-      `context_parallel_theory` over `context`.
+      `context_parallel_theory` over `context`;
+    - with an expert axis, `expert` is a batch axis too, and `expert_comm` (`_experts.py`)
+      adds the experts' part.
     """
     sizes = layout.sizes
     context_axis = "context" if layout.context > 1 else None
     remat = layout.remat != "none"
+    batch_axes = layout.batch_axes
+    every = _key((*batch_axes, "context"), sizes)
     if layout.fsdp == 1:
-        theory = data_parallel_theory(gpt, mesh, specs, batch_axis=("data", "context"))
+        theory = data_parallel_theory(
+            gpt, mesh, specs, batch_axis=tuple(a for a in (*batch_axes, "context") if a != "fsdp")
+        )
     else:
         fsdp = fsdp_theory(gpt, mesh, specs, batch_axis="fsdp")
-        every = _key(("data", "fsdp", "context"), sizes)
-        others = _key(("data", "context"), sizes)
+        others = tuple(a for a in every if a != "fsdp")
         terms: list[TheoryTerm] = []
         for t in fsdp.terms:
             if t.what.startswith("loss"):
@@ -77,7 +84,7 @@ def comm_theory(gpt: GPT, mesh: Mesh, layout: Layout, specs: Any, batch: int, se
             terms.append(TheoryTerm("all-reduce", others, blocks, "gradient blocks summed over the other batch axes"))
         theory = CommTheory(tuple(terms))
     theory += gpt_tensor_parallel_theory(
-        gpt, mesh, batch, seq, batch_axis=BATCH_AXES, context_axis=context_axis, remat=remat
+        gpt, mesh, batch, seq, batch_axis=batch_axes, context_axis=context_axis, remat=remat
     )
     if context_axis:
         block = attention_of(gpt)
@@ -90,11 +97,13 @@ def comm_theory(gpt: GPT, mesh: Mesh, layout: Layout, specs: Any, batch: int, se
             num_layers=gpt.num_layers,
             mode=layout.attention,
             context_axis="context",
-            batch_axis=BATCH_AXES,
+            batch_axis=batch_axes,
             model_axis="model",
             dtype=gpt.position_embedding.weight.dtype,
             remat=remat,
         )
+    if layout.expert is not None:
+        theory = expert_comm(theory, gpt, mesh, layout, specs, batch, seq)
     return theory
 
 
@@ -117,3 +126,21 @@ def collective_seconds(kind: str, axes: tuple[str, ...], nbytes: int, sizes: dic
         return 0.0
     seconds = RING_FACTORS[kind](n) * nbytes / link.bandwidth if link.bandwidth else math.inf
     return seconds + RING_HOPS[kind](n) * link.latency
+
+
+def in_dtype(comm: CommTheory, param_dtype: Any, dtype: Any) -> CommTheory:
+    """The activation collectives (over `model` and `context`, the all-to-alls over
+    `expert`, and a pipeline's stage outputs: collective-permutes over `stage`) carried in
+    the compute dtype: the theory counts the parameters' dtype; gradients and parameters
+    keep it."""
+    ratio = np.dtype(dtype).itemsize / np.dtype(param_dtype).itemsize
+    if ratio == 1:
+        return comm
+    terms = tuple(dataclasses.replace(t, bytes=int(t.bytes * ratio)) if _is_activation(t) else t for t in comm.terms)
+    return CommTheory(terms)
+
+
+def _is_activation(t: TheoryTerm) -> bool:
+    if set(t.axes) & {"model", "context"} or t.kind == "all-to-all" and t.axes == ("expert",):
+        return True
+    return t.kind == "collective-permute" and t.axes == ("stage",) and not t.what.startswith("circular")

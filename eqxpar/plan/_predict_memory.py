@@ -14,14 +14,16 @@ from jax.sharding import Mesh, PartitionSpec
 
 from ..models import GPT, gpt_activation_theory
 from ._candidates import Layout
-from ._predict import BATCH_AXES, attention_of, block_bytes, optimizer_layout
+from ._experts import routed_arrays
+from ._predict import attention_of, block_bytes, optimizer_layout
 
 
 @dataclasses.dataclass(frozen=True)
 class Memory:
     """Predicted bytes per device: `parameters` and `optimizer_state` (exact: the blocks
     their specs give), `saved_activations` (the GPT's activation theory: exact for
-    `block`/`save_matmuls`, a lower bound for `none`), `temporaries` (an estimate: see
+    `block`/`save_matmuls`, a lower bound for `none`; with experts and `none`, plus an
+    estimate of the routed experts' arrays), `temporaries` (an estimate: see
     [`eqxpar.plan.plan`][])."""
 
     parameters: int
@@ -59,7 +61,7 @@ def memory(
     opt = block_bytes(opt_shapes, opt_specs, sizes, floating_only=False)
     context_axis = "context" if layout.context > 1 else None
     activations = gpt_activation_theory(
-        gpt, mesh, batch, seq, batch_axis=BATCH_AXES, context_axis=context_axis, dtype=dtype
+        gpt, mesh, batch, seq, batch_axis=layout.batch_axes, context_axis=context_axis, dtype=dtype
     )
     saved, per_block = activations.total, activations.per_block
     if fused_attention and layout.remat == "none" and layout.attention == "dot_product":
@@ -70,6 +72,12 @@ def memory(
         probabilities = sum(t.nbytes for t in activations.terms if t.what == "attention probabilities")
         per_block += tokens * (block.num_heads // layout.model) * 4 - probabilities
         saved += gpt.num_layers * (tokens * (block.num_heads // layout.model) * 4 - probabilities)
+    # With experts, an estimate of their routed path's arrays: kept by every block without
+    # remat, else one block's worth while it is recomputed (counted with the temporaries).
+    routed = routed_arrays(gpt, layout, batch, seq, dtype)
+    if layout.remat == "none":
+        per_block += routed
+        saved += gpt.num_layers * routed
     weights = 0
     if layout.fsdp > 1 and layout.remat != "none":
         # Under FSDP each block's backward pass reads its gathered weights: autodiff keeps
@@ -79,7 +87,7 @@ def memory(
         per_block += weights
         saved += gpt.num_layers * weights
     temporaries = _temporaries(gpt, layout, specs, params, activations, dtype, batch, seq)
-    return Memory(params, opt, saved, temporaries - gpt.num_layers * weights, per_block)
+    return Memory(params, opt, saved, temporaries + routed - gpt.num_layers * weights, per_block)
 
 
 # The blocks' parameters a block's backward pass does not read (each only shifts an output
@@ -90,6 +98,7 @@ UNREAD_BIASES = (
     ".attention.value_proj.bias",
     ".attention.output_proj.bias",
     ".mlp.output.bias",
+    ".shared_experts.output.bias",  # an MoE block's shared experts (a ParallelMLP)
 )
 
 

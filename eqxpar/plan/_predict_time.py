@@ -11,6 +11,7 @@ from ..inspect import CommTheory
 from ..models import GPT, gpt_flops_per_token
 from ._candidates import Layout
 from ._cluster import Cluster
+from ._experts import recomputed_expert_flops
 from ._predict import attention_of
 from ._predict_comm import collective_seconds, is_parameter_collective
 
@@ -19,10 +20,12 @@ def flops_per_device(gpt: GPT, layout: Layout, batch: int, seq: int) -> float:
     """The FLOPs one device executes in a step: the model FLOPs (`6 N + 12 L T d` per
     token, with the vocabulary padding the program multiplies) over the devices, plus what
     remat recomputes: the blocks' forward pass for `block`, the attention's forward
-    (`4 L T d` per token) for `save_matmuls`."""
+    (`4 L T d` per token) for `save_matmuls`, and with experts their routers' and routed
+    experts' forward too (no remat policy names their einsums)."""
     devices = math.prod(layout.sizes.values())
     train, forward, attention_forward, head_forward = flops_per_token(gpt, seq)
-    recompute = {"none": 0, "save_matmuls": attention_forward, "block": forward - head_forward}[layout.remat]
+    matmuls = attention_forward + recomputed_expert_flops(gpt)
+    recompute = {"none": 0, "save_matmuls": matmuls, "block": forward - head_forward}[layout.remat]
     return (train + recompute) * batch * seq / devices
 
 
@@ -34,7 +37,8 @@ def flops_per_token(gpt: GPT, seq: int) -> tuple[int, int, int, int]:
     (the count unstacks the layers, which is slow for a deep stacked GPT)."""
     block = attention_of(gpt)
     dim = gpt.position_embedding.weight.shape[-1]
-    key = (gpt.padded_vocab_size, gpt.vocab_size, dim, gpt.num_layers, block.num_heads, block.qk_size, seq)
+    shape = (gpt.padded_vocab_size, gpt.vocab_size, dim, gpt.num_layers, block.num_heads, block.qk_size, seq)
+    key = (*shape, gpt.moe)
     if key not in _FLOPS:
         _FLOPS[key] = (
             gpt_flops_per_token(gpt, seq, count_padding=True),
