@@ -226,6 +226,21 @@ def test_expert_hidden_that_does_not_split_over_the_model_axis():
         nn.partition_specs(model, eqxpar.make_mesh(expert=2, model=4))
 
 
+def test_stacked_moe_gpt_checks_its_model_axis_by_the_experts_hidden_units():
+    """Stacked (stack_blocks), the model axis splits the experts' hidden units, not the
+    experts: 3 experts of 32 hidden units place over model=2 (the experts' count was once
+    checked against the model axis there); hidden 6 over model=4 is named as unstacked."""
+    model = stack_blocks(moe_gpt(3, 1))
+    model.check_axis_size(2)
+    nn.partition_specs(model, eqxpar.make_mesh(expert=1, model=2))
+    odd = GPT(
+        VOCAB, SEQ, dim=DIM, num_heads=4, num_layers=2, pad_vocab_to_multiple_of=8,
+        moe=MoEOptions(num_experts=2, expert_hidden=6), key=jax.random.key(0),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"layers.moe: each expert.s hidden size 6 is not divisible by the size 4"):
+        nn.partition_specs(stack_blocks(odd), eqxpar.make_mesh(expert=1, model=4))
+
+
 def test_indivisible_experts_in_the_gpt_are_named_by_the_step():
     model = moe_gpt(6, 2)
     step = hybrid_step(loss_fn, optax.sgd(0.1), eqxpar.make_mesh(data=2, expert=4, model=1), expert_axis="expert")

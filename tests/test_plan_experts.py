@@ -53,16 +53,16 @@ EVERY = [c for moe in (MOE, SHARED) for c in _cases(moe, sorted(all_plans(moe)),
 def test_the_candidates_follow_the_librarys_checks():
     plans = all_plans()
     layouts = [p.layout for p in plans.values()]
-    assert len(plans) == 54  # 18 meshes x 3 remats
+    assert len(plans) == 57  # 19 meshes x 3 remats
     assert {lay.expert for lay in layouts} == {1, 2, 4}  # 4 experts do not split 8 ways
     assert {lay.remat for lay in layouts} == set(eqxpar.plan.REMATS)
     for lay in layouts:
         assert (lay.stage, lay.context, lay.sequence_parallel, lay.attention) == (1, 1, False, "dot_product")
         assert 8 % lay.batch_shards == 0 and lay.batch_axes == ("data", "fsdp", "expert")
         assert list(lay.sizes) == ["stage", "data", "fsdp", "expert", "context", "model"]
-    # model=8 is refused by the step's own check (partition_specs: the stacked MoE layer
-    # checks its 4 experts against the model axis too).
-    assert "model=8 remat=none" not in plans and "expert=4,model=2 remat=none" in plans
+    # model=8 splits the experts' hidden units, not the 4 experts (the stacked MoE layer
+    # once checked its experts against the model axis too, and model=8 was no candidate).
+    assert "model=8 remat=none" in plans and "expert=4,model=2 remat=none" in plans
     # Without moe= nothing changes: no expert axis anywhere.
     assert all(p.layout.expert is None and "expert" not in p.layout.sizes for p in small_plans())
 
@@ -150,5 +150,6 @@ def test_bad_input_is_a_value_error(kwargs, message):
 
 
 def test_a_batch_that_no_expert_layout_divides_names_one_that_would():
-    with pytest.raises(ValueError, match=r"batch must split over data x fsdp x expert .* layout divides is 4"):
-        small_plans(batch=3, moe=MOE)
+    # Without a model axis every layout splits the batch 8 ways (8 = 2 x 4 at most over expert).
+    with pytest.raises(ValueError, match=r"batch must split over data x fsdp x expert .* layout divides is 8"):
+        small_plans(batch=3, moe=MOE, axes=("data", "fsdp", "expert"))

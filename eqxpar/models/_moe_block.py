@@ -34,6 +34,7 @@ from ..nn import (
     MoEAux,
     ParallelMLP,
     ParallelMultiheadAttention,
+    StackedLayers,
     TensorParallelLayer,
     gelu,
     layer_norm,
@@ -370,11 +371,15 @@ def run_stacked_blocks(blocks, x, keys, wrap, **kwargs) -> tuple[Array, tuple[Mo
 def check_model_axis_size(model: TensorParallelLayer, size: int, where: str) -> None:
     """The GPT's model-axis size checks of its tensor-parallel layers; a mixture of experts
     is split over the model axis by its experts' hidden units only (its experts split
-    over the expert axis, checked by the step)."""
+    over the expert axis, checked by the step). Stacked blocks are checked layer by layer
+    here (a `StackedLayers`' own check would hand the model axis's size to the mixture of
+    experts inside, whose own check is of the expert axis)."""
     for path, node in jax.tree_util.tree_flatten_with_path(
         model, is_leaf=lambda n: n is not model and isinstance(n, TensorParallelLayer)
     )[0]:
-        if isinstance(node, MixtureOfExperts):
+        if isinstance(node, StackedLayers):
+            check_model_axis_size(node.layers, size, where + jax.tree_util.keystr(path) + ".layers")
+        elif isinstance(node, MixtureOfExperts):
             if node.hidden_size % size:
                 raise ValueError(
                     f"MixtureOfExperts at {where + jax.tree_util.keystr(path)}: each expert's hidden size "

@@ -48,9 +48,8 @@ GRADIENT_SUMS = {
 def check_moe(config: GPTConfig, moe: Any, vocab_size: int, pad: int, pipeline: bool | None) -> None:
     """A `ValueError` (from the GPT's own checks, prefixed `plan:`) unless `moe` is an
     [`eqxpar.models.MoEOptions`][] the planner prices: `every=1`, every block an MoE
-    block, which [`eqxpar.models.stack_blocks`][] stacks (the plans scan their blocks, and
-    [`eqxpar.models.gpt_activation_theory`][] models only such a GPT); and not asked for
-    pipelines only (`pipeline=True`), which it does not price with experts."""
+    block, which [`eqxpar.models.stack_blocks`][] stacks (the plans scan their blocks); and
+    not asked for pipelines only (`pipeline=True`), which it does not price with experts."""
     if pipeline:
         raise ValueError(
             "plan: pipelines of a GPT with moe= are not planned (pipeline_step takes no expert_axis); "
