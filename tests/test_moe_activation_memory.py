@@ -127,7 +127,7 @@ def test_without_remat_the_moe_theory_is_a_lower_bound(case):
 @pytest.mark.parametrize(
     "case",
     [
-        Case((2, 2, 2), "save_matmuls", shared_experts=1, z_loss_weight=0.01, every=2),
+        Case((2, 2, 2), "save_matmuls", shared_experts=2, z_loss_weight=0.01, every=2),
         pytest.param(Case((1, 4, 2), "block", dropout=0.1, every=2), marks=pytest.mark.thorough),
         pytest.param(Case((2, 4, 1), "save_matmuls", capacity_factor=None, every=3), marks=pytest.mark.thorough),
     ],

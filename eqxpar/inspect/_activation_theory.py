@@ -15,7 +15,9 @@ class ActivationTerm:
     - `what`: what the arrays are (e.g. `"q, k, v: column-parallel outputs"`).
     - `nbytes`: bytes of one of them on one device.
     - `count`: how many the step keeps (e.g. one per block).
-    - `in_blocks`: whether it is kept once per block (a `count` of the number of blocks).
+    - `in_blocks`: whether it is kept once per block (a `count` of the number of blocks,
+      or of the blocks of its kind where blocks differ: an MoE GPT's MLP terms with
+      `every > 1`).
     """
 
     what: str
@@ -34,12 +36,12 @@ class ActivationTheory:
     micro-batch, term by term (built by e.g. [`eqxpar.models.gpt_activation_theory`][]).
 
     `exact_blocks` says how the per-block terms were counted: `True` when they are what the
-    model's remat policy saves, which autodiff then keeps exactly (compare `per_block` with
+    model's remat policy saves, which autodiff then keeps exactly (compare `blocks` with
     the difference of [`eqxpar.train.TrainStep.saved_activation_bytes`][] between two
-    depths); `False` when they are the least the backward pass needs (each layer keeping only
-    what its gradient formula reads), a lower bound that autodiff exceeds by the
-    intermediate values it keeps as well. Terms outside the blocks are always such a least
-    count.
+    depths: for uniform blocks one more block adds `per_block`); `False` when they are the
+    least the backward pass needs (each layer keeping only what its gradient formula
+    reads), a lower bound that autodiff exceeds by the intermediate values it keeps as
+    well. Terms outside the blocks are always such a least count.
 
     `print(theory)` shows the terms; [`ActivationTheory.versus`]
     [eqxpar.inspect.ActivationTheory.versus] puts the total beside measured figures.

@@ -139,6 +139,8 @@ def to_dense(tree: PyTree) -> PyTree:
     **Returns:**
 
     The same PyTree with `eqx.nn.Linear`, `eqx.nn.MLP`, `eqx.nn.MultiheadAttention` and
-    `eqx.nn.Embedding` in their place.
+    `eqx.nn.Embedding` in their place (a registered style's layer gives back its own dense
+    layer). [`eqxpar.models.GPT`][] and [`eqxpar.models.Llama`][] are left as they are:
+    each is its own dense form (it runs on one device over a model axis of size 1).
     """
     return jax.tree.map(lambda node: node.to_dense() if _is_tp(node) else node, tree, is_leaf=_is_tp)

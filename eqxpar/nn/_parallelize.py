@@ -77,7 +77,7 @@ def _mlp_problem(mlp: eqx.nn.MLP) -> str | None:
 def _fit_problem(style: str, node: Any) -> str | None:
     """Why `style` cannot apply to `node` (None if it can)."""
     if isinstance(node, TensorParallelLayer):
-        return "it is already tensor-parallel (eqxpar.nn.to_dense makes it dense again)"
+        return "it is already tensor-parallel: leave it out of the plan (it is placed as it is)"
     if style == "replicate":
         return None
     wanted = {
