@@ -7,7 +7,9 @@ import dataclasses
 import json
 import pathlib
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -37,6 +39,15 @@ def cpu_cluster(devices=8, hosts=1, memory=1e9, **changes):
 def small_plans(config=SMALL, *, batch=8, seq=None, machine=None, **kwargs):
     kwargs = {"dtype": jnp.float32, "vocab_size": VOCAB, "pad_vocab_to_multiple_of": PAD, "top": None, **kwargs}
     return plan(config, batch=batch, seq=seq, cluster=machine or cpu_cluster(), **kwargs)
+
+
+def saved_bytes(plan) -> int:
+    """What autodiff keeps in the plan's own step, built and traced (nothing compiles)."""
+    mesh = plan.mesh()
+    step = plan.step(plan.optimizer, mesh)
+    model, opt_state = step.init(plan.model(jax.random.key(0)))
+    tokens = np.zeros((plan.batch_size, plan.seq_len + 1), np.int32)
+    return step.saved_activation_bytes(model, opt_state, plan.batch(tokens, mesh))
 
 
 def test_plans_the_small_gpt_on_8_devices():

@@ -18,11 +18,9 @@ the model axis, remat) and traces one pair for the per-block bytes, with shared 
 import functools
 import math
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from test_plan import SMALL, cpu_cluster, small_plans
+from test_plan import SMALL, cpu_cluster, saved_bytes, small_plans
 
 import eqxpar.plan
 from eqxpar.models import GPTConfig, MoEOptions
@@ -84,14 +82,6 @@ def test_predictions_equal_the_compiled_step(moe, name):
     assert 0.5 < v.peak_ratio < 3.0, str(v)
 
 
-def _saved(plan) -> int:
-    mesh = plan.mesh()
-    step = plan.step(plan.optimizer, mesh)
-    model, opt_state = step.init(plan.model(jax.random.key(0)))
-    tokens = np.zeros((plan.batch_size, plan.seq_len + 1), np.int32)
-    return step.saved_activation_bytes(model, opt_state, plan.batch(tokens, mesh))
-
-
 DEFAULT_BLOCKS = {(SHARED, "fsdp=2,expert=2,model=2 remat=save_matmuls")}
 EXACT_BLOCKS = [
     c
@@ -106,7 +96,7 @@ def test_one_more_block_saves_exactly_the_predicted_bytes(moe, name):
     bytes (under FSDP the block's gathered weights included: experts, router, shared MLP)."""
     two, three = all_plans(moe, 2)[name], all_plans(moe, 3)[name]
     assert two.memory.saved_per_block == three.memory.saved_per_block > 0
-    assert _saved(three) - _saved(two) == three.memory.saved_per_block
+    assert saved_bytes(three) - saved_bytes(two) == three.memory.saved_per_block
 
 
 def test_all_to_alls_are_priced_over_the_link_the_expert_axis_crosses():

@@ -12,11 +12,9 @@ The default run compiles three layouts that between them use every axis, FSDP wi
 
 import functools
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from test_plan import PAD, SMALL, VOCAB, cpu_cluster
+from test_plan import PAD, SMALL, VOCAB, cpu_cluster, saved_bytes
 
 import eqxpar.plan
 from eqxpar.models import GPTConfig
@@ -67,14 +65,6 @@ def test_predictions_equal_the_compiled_step(name):
     assert name in eqxpar.plan.validation_table([v])
 
 
-def _saved(plan) -> int:
-    mesh = plan.mesh()
-    step = plan.step(plan.optimizer, mesh)
-    model, opt_state = step.init(plan.model(jax.random.key(0)))
-    tokens = np.zeros((plan.batch_size, plan.seq_len + 1), np.int32)
-    return step.saved_activation_bytes(model, opt_state, plan.batch(tokens, mesh))
-
-
 EXACT_BLOCKS = [n for n in EVERY if " remat=none" not in n]
 DEFAULT_BLOCKS = (
     "data=2,model=4 remat=block",
@@ -90,7 +80,7 @@ def test_one_more_block_saves_exactly_the_predicted_bytes(name):
     by the predicted per-block bytes (under FSDP the block's gathered weights included)."""
     two, three = all_plans(2)[name], all_plans(3)[name]
     assert two.memory.saved_per_block == three.memory.saved_per_block > 0
-    assert _saved(three) - _saved(two) == three.memory.saved_per_block
+    assert saved_bytes(three) - saved_bytes(two) == three.memory.saved_per_block
 
 
 def test_validate_refuses_a_plan_for_more_devices():
