@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..nn import (
+    ATTENTION_IMPLS,
     ColumnParallelLinear,
     StackedLayers,
     TensorParallelLayer,
@@ -20,7 +21,6 @@ from ..nn import (
     layer_norm,
     vocab_parallel_cross_entropy,
 )
-from ..nn._attention import ATTENTION_IMPLS
 from ._block import REMAT_CHOICES, Remat, TransformerBlock, remat_wrapper, sequence_dropout, split_keys
 from ._moe_block import (
     MoEBlock,

@@ -16,7 +16,7 @@ y = forward(eqxpar.shard(mlp, mesh, specs), x)  # equals eqx.nn.MLP's output
 """
 
 from ._all_gather_attention import all_gather_attention
-from ._attention import ParallelMultiheadAttention
+from ._attention import ATTENTION_IMPLS, ParallelMultiheadAttention
 from ._attention_kernels import fused_attention
 from ._base import TensorParallelLayer, gather_sequence
 from ._context_layout import context_positions, layout_order, zigzag_inverse, zigzag_order
@@ -42,6 +42,7 @@ __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "MATMUL_NAME",
+    "ATTENTION_IMPLS",
     "ParallelMLP",
     "MixtureOfExperts",
     "MoEAux",

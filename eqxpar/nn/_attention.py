@@ -18,9 +18,13 @@ from ._context_layout import LAYOUTS, Layout
 from ._linear import ColumnParallelLinear, RowParallelLinear
 from ._ring_attention import ring_attention
 
-__all__ = ["ParallelMultiheadAttention"]
+__all__ = ["ParallelMultiheadAttention", "ATTENTION_IMPLS"]
 
 ATTENTION_IMPLS = ("reference", "dot_product", "ring", "all_gather")
+"""The `attention_impl`s [`eqxpar.nn.ParallelMultiheadAttention`][] (and so the GPT) takes:
+`"reference"` (the explicit softmax of `eqx.nn.MultiheadAttention`), `"dot_product"`
+(`jax.nn.dot_product_attention`), and with the sequence split over a context axis
+(context parallelism) `"ring"` and `"all_gather"`."""
 
 
 class ParallelMultiheadAttention(TensorParallelLayer):
