@@ -132,6 +132,12 @@ def test_experts_that_divide_no_axis_give_only_expert_one():
         ({"axes": ("data", "expert")}, r"axes must be a non-empty subset of \('stage', 'data', 'fsdp', 'context'"),
         ({"moe": MOE, "axes": ("data", "pipeline")}, r"subset of \('stage', 'data', 'fsdp', 'expert'"),
         ({"moe": MOE, "pipeline": True}, r"pipelines of a GPT with moe= are not planned"),
+        ({"moe": MOE, "axes": ("stage", "data")}, r"pipelines of a GPT with moe= are not planned"),
+        ({"moe": MOE, "pipeline": "yes"}, r"pipeline must be True, False or None"),
+        ({"moe": MOE, "axes": ("data", "context")}, r"takes neither context nor sequence parallelism"),
+        ({"moe": MOE, "sequence_parallel": (True,)}, r"takes neither context nor sequence parallelism"),
+        ({"moe": MoEOptions(4, 2, capacity_factor=None)}, r"dropless routing .* is not planned"),
+        ({"moe": MoEOptions(4, 2, expert_axis="data")}, r"moe.expert_axis='data'.*expert_axis='expert'"),
     ],
 )
 def test_bad_input_is_a_value_error(kwargs, message):

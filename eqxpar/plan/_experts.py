@@ -45,15 +45,45 @@ GRADIENT_SUMS = {
 }
 
 
-def check_moe(config: GPTConfig, moe: Any, vocab_size: int, pad: int, pipeline: bool | None) -> None:
+def check_moe(
+    config: GPTConfig,
+    moe: Any,
+    vocab_size: int,
+    pad: int,
+    pipeline: bool | None,
+    axes: tuple[str, ...] | None,
+    sequence_parallel: tuple[bool, ...],
+) -> None:
     """A `ValueError` (from the GPT's own checks, prefixed `plan:`) unless `moe` is an
     [`eqxpar.models.MoEOptions`][] the planner prices: `every=1`, every block an MoE
-    block, which [`eqxpar.models.stack_blocks`][] stacks (the plans scan their blocks); and
-    not asked for pipelines only (`pipeline=True`), which it does not price with experts."""
-    if pipeline:
+    block, which [`eqxpar.models.stack_blocks`][] stacks (the plans scan their blocks),
+    with a capacity factor (dropless routing: over an expert axis each expert computes a
+    slot for every token, without one the layer takes `ragged_dot`; not priced) and its
+    experts over the planner's axis `expert`; and not asked for what it does not plan with
+    experts: pipelines (`pipeline=True`, `stage` in the `axes` given), context parallelism
+    (`context` in them) or sequence parallelism alone (`sequence_parallel=(True,)`); the
+    GPT refuses the last two with `moe=`."""
+    axes = axes or ()
+    if pipeline or "stage" in axes:
         raise ValueError(
             "plan: pipelines of a GPT with moe= are not planned (pipeline_step takes no expert_axis); "
-            "pass pipeline=None or False."
+            "pass pipeline=None or False and leave 'stage' out of axes."
+        )
+    if "context" in axes or False not in sequence_parallel:
+        raise ValueError(
+            "plan: a GPT with moe= routes whole sequences on each device: it takes neither context nor sequence "
+            "parallelism. Leave 'context' out of axes and let sequence_parallel include False."
+        )
+    if isinstance(moe, MoEOptions) and moe.capacity_factor is None:
+        raise ValueError(
+            "plan: dropless routing (MoEOptions(capacity_factor=None)) is not planned: over an expert axis every "
+            "expert computes a slot per token, and without one the layer takes jax.lax.ragged_dot; give a "
+            "capacity_factor (e.g. 1.25) to plan, and train the dropless model on the plan's mesh."
+        )
+    if isinstance(moe, MoEOptions) and moe.expert_axis != "expert":
+        raise ValueError(
+            f"plan: moe.expert_axis={moe.expert_axis!r}: the planner's mesh splits experts over the axis "
+            f"'expert' (and builds the step with expert_axis='expert'); use MoEOptions(expert_axis='expert')."
         )
     try:
         shape = eqx.filter_eval_shape(
@@ -114,7 +144,7 @@ def expert_comm(
         tokens = batch // layout.batch_shards * seq
         layers = gpt.num_layers
         weights = layers * tokens * moe.top_k * np.dtype(np.float32).itemsize
-        terms += _term("all-reduce", ("model",), weights, "MoE routing weights' gradient (top_k float32 per token)")
+        terms += _term("all-reduce", ("model",), weights, "MoE routing weights' gradient (top_k per token)")
         if moe.shared_experts:
             stream = 2 * layers * tokens * dim * np.dtype(dtype).itemsize
             terms += _term("all-reduce", ("model",), stream, "shared experts: output (fwd), input gradient (bwd)")
@@ -156,8 +186,8 @@ def routed_arrays(gpt: GPT, layout: Layout, batch: int, seq: int, dtype: Any) ->
     SiLU's three, their product), the combine's gathered outputs and the tokens copied per
     choice (`2 groups top_k seq dim`), in the compute dtype; and the router's scores in
     float32 (`2 groups seq E`). Read off `jax.ad_checkpoint.print_saved_residuals` of the
-    layer; on the planner's toy it is within 5% of what one more block keeps under
-    `remat="none"` (outside FSDP). 0 for a GPT without experts."""
+    layer; on the planner's toy one more block keeps 0.96-1.006 of it under `remat="none"`
+    outside FSDP, 0.84 on `model=8` (docs/concepts/planner.md). 0 for a GPT without experts."""
     layer = experts_of(gpt)
     if layer is None:
         return 0

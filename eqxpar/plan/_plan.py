@@ -246,18 +246,19 @@ def plan(
     bad = [r for r in remats if r not in REMATS]
     if bad or not remats:
         raise ValueError(f"plan: remats must be a non-empty subset of {REMATS}, got {tuple(remats)!r}.")
-    if moe is not None:
-        check_moe(config, moe, vocab_size, pad_vocab_to_multiple_of, pipeline)
-    known = AXES if moe is None else EXPERT_AXES
-    axes = known if axes is None else axes
-    if not axes or any(a not in known for a in axes):
-        raise ValueError(f"plan: axes must be a non-empty subset of {known}, got {tuple(axes)!r}.")
     if pipeline not in (None, True, False):
         raise ValueError(f"plan: pipeline must be True, False or None, got {pipeline!r}.")
     if not sequence_parallel or any(not isinstance(sp, bool) for sp in sequence_parallel):
         raise ValueError(
             f"plan: sequence_parallel must be a non-empty subset of (False, True), got {tuple(sequence_parallel)!r}."
         )
+    known = AXES if moe is None else EXPERT_AXES
+    if axes is not None and (not axes or any(a not in known for a in axes)):
+        raise ValueError(f"plan: axes must be a non-empty subset of {known}, got {tuple(axes)!r}.")
+    if moe is not None:
+        given = None if axes is None else tuple(axes)
+        check_moe(config, moe, vocab_size, pad_vocab_to_multiple_of, pipeline, given, tuple(sequence_parallel))
+    axes = known if axes is None else axes
     opt = _optimizer(optimizer)
     clear_caches()  # caches keyed by object ids live for one call
     _pipeline.clear_caches()
