@@ -98,7 +98,7 @@ def _divides(p, batch, seq, config):
         assert batch % (lay.data * lay.fsdp * lay.microbatches) == 0 and lay.microbatches >= 2
         assert config.layers % (lay.stage * lay.virtual_stages) == 0
         assert lay.schedule in ("gpipe", "1f1b", "circular") and lay.remat in ("none", "block")
-        assert lay.context == lay.fsdp == 1 and not lay.sequence_parallel
+        assert lay.context == 1 and not lay.sequence_parallel
         assert lay.virtual_stages == 1 or (lay.schedule == "circular" and lay.microbatches % lay.stage == 0)
         assert lay.schedule != "1f1b" or lay.remat == "block"
     else:

@@ -1,6 +1,6 @@
 """Pipelines in the planner: a `stage` axis with its schedule, micro-batches and virtual
 stages. Pipeline candidates obey `pipeline_step`'s rules and compose only as the step
-does (data and model around the stage; no context, sequence parallelism or FSDP); the
+does (data, FSDP and model around the stage; no context or sequence parallelism); the
 bubble in the step time is the schedule's; and built with their own mesh and step and
 compiled on 8 simulated devices, their predicted collective bytes per (kind, axes) equal
 the compiled program's exactly and parameters + optimizer state equal the compiled
@@ -60,9 +60,13 @@ def test_pipeline_candidates_and_their_rules():
     for p in plans.values():
         lay = p.layout
         make_schedule(lay.schedule, lay.stage, lay.microbatches, lay.virtual_stages)  # the step's schedule accepts it
-        # Only what pipeline_step runs: no context axis, no SP, no FSDP priced inside stages.
-        assert lay.context == lay.fsdp == 1 and not lay.sequence_parallel and lay.attention == "dot_product"
-        assert BATCH % (lay.data * lay.microbatches) == 0 and FOUR.layers % (lay.stage * lay.virtual_stages) == 0
+        # Only what pipeline_step runs: no context axis, no SP (FSDP inside the stages:
+        # tests/test_plan_pipeline_fsdp.py).
+        assert lay.context == 1 and not lay.sequence_parallel and lay.attention == "dot_product"
+        assert (
+            BATCH % (lay.data * lay.fsdp * lay.microbatches) == 0
+            and FOUR.layers % (lay.stage * lay.virtual_stages) == 0
+        )
         assert lay.schedule != "1f1b" or lay.remat == "block"  # 1F1B always recomputes the stage
         # The bubble in the step time is the schedule's.
         t = p.time
@@ -121,7 +125,7 @@ DEFAULT: tuple[str, ...] = ()
 
 
 def _cases():
-    names = sorted(pipeline_plans())
+    names = sorted(n for n, p in pipeline_plans().items() if p.layout.fsdp == 1)  # fsdp: test_plan_pipeline_fsdp.py
     cases = [pytest.param(n, FOUR, marks=() if n in DEFAULT else pytest.mark.thorough) for n in names]
     cases.append(pytest.param("stage=4,data=2 remat=none circular r=2 M=4", EIGHT, marks=pytest.mark.thorough))
     return cases

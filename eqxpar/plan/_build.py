@@ -14,8 +14,8 @@ from jax.sharding import PartitionSpec
 from .._mesh import make_mesh
 from .._sharding import shard
 from ..models import GPT, gpt_stages, next_token_loss, stack_blocks
-from ..nn import vocab_parallel_cross_entropy, zigzag_order
-from ..train import Precision, TrainStep, fsdp_step, hybrid_step, pipeline_step
+from ..nn import partition_specs, vocab_parallel_cross_entropy, zigzag_order
+from ..train import Precision, TrainStep, fsdp_specs, fsdp_step, hybrid_step, pipeline_specs, pipeline_step
 from ._candidates import Layout
 
 
@@ -71,6 +71,7 @@ def build_step(plan: Any, optimizer: optax.GradientTransformation, mesh: Any, *,
             gpt_stages(),
             optimizer,
             mesh,
+            param_specs=pipeline_fsdp_specs(mesh) if layout.fsdp > 1 else None,
             batch_axis=batch_axis,
             stage_axis="stage",
             schedule=layout.schedule,
@@ -89,6 +90,19 @@ def build_step(plan: Any, optimizer: optax.GradientTransformation, mesh: Any, *,
         expert_axis=expert_axis,
         precision=precision,
     )
+
+
+def pipeline_fsdp_specs(mesh: Any):
+    """FSDP inside the stages, as `pipeline_step` documents it: `fsdp_specs` over `fsdp`
+    with the pipeline's specs (the GPT's tensor-parallel specs, the layers over `stage`) as
+    its `param_specs`."""
+
+    def specs(model: Any) -> Any:
+        return fsdp_specs(
+            model, mesh, batch_axis="fsdp", param_specs=pipeline_specs(gpt_stages(), model, partition_specs(model))
+        )
+
+    return specs
 
 
 def build_batch(layout: Layout, tokens: Any, mesh: Any):

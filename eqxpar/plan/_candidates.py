@@ -109,10 +109,10 @@ def factorisations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
 def layouts(devices: int, axes: tuple[str, ...] = AXES, experts: bool = False) -> Iterator[Layout]:
     """Every layout of `devices` devices over `axes` (the others of size 1), before any
     divisibility rule. A pipeline (`stage > 1`) comes once per remat, with no schedule
-    yet ([`pipeline_variants`][] adds them): with `data` and `model` around it only, as
+    yet ([`pipeline_variants`][] adds them): with `data`, `fsdp` and `model` around it, as
     the planner prices it (no `context`, no sequence parallelism: `pipeline_step` runs
-    whole sequences; no `fsdp`: FSDP inside the stages is not priced yet), and remat
-    `none` or `block` (the pipeline's own).
+    whole sequences; `fsdp` splits the stage's parameters, gathered once per step), and
+    remat `none` or `block` (the pipeline's own).
 
     With `experts` (a mixture-of-experts GPT), the layouts of `data x fsdp x expert x
     model` ([`expert_layouts`][])."""
@@ -124,7 +124,7 @@ def layouts(devices: int, axes: tuple[str, ...] = AXES, experts: bool = False) -
         if any(n > 1 and a not in axes for a, n in sizes.items()):
             continue
         if stage > 1:
-            if context == 1 and fsdp == 1:
+            if context == 1:
                 for remat in PIPELINE_REMATS:
                     yield Layout(data, fsdp, context, model, remat, False, "dot_product", stage=stage)
             continue

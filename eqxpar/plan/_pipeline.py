@@ -22,7 +22,7 @@ from .._specs import spec_axes
 from ..inspect import CommTheory, TheoryTerm
 from ..models import GPT, gpt_activation_theory, gpt_stages
 from ..nn import partition_specs
-from ..train import pipeline_specs
+from ..train import fsdp_specs, pipeline_specs
 from ._abstract import AXES
 from ._candidates import Layout
 from ._predict import block_bytes, optimizer_layout
@@ -31,8 +31,8 @@ from ._predict_time import flops_per_token
 
 BATCH_AXES = ("data", "fsdp")
 
-_SPECS: dict[int, Any] = {}
-_SPLIT: dict[int, Any] = {}
+_SPECS: dict[tuple[int, int, int], Any] = {}
+_SPLIT: dict[tuple[int, int], Any] = {}
 
 
 def clear_caches() -> None:
@@ -41,23 +41,28 @@ def clear_caches() -> None:
     _SPLIT.clear()
 
 
-def pipeline_layout_specs(gpt: GPT, layout: Layout) -> Any:
+def pipeline_layout_specs(gpt: GPT, layout: Layout, mesh: Mesh) -> Any:
     """The specs `pipeline_step` gives the GPT: [`eqxpar.nn.partition_specs`][] with the
-    stacked blocks' layer axis split over `stage` ([`eqxpar.train.pipeline_specs`][]).
-    Cached per GPT (the stage and model sizes do not change the specs, only their blocks)."""
-    key = id(gpt)
+    stacked blocks' layer axis split over `stage` ([`eqxpar.train.pipeline_specs`][]); with
+    `fsdp > 1`, [`eqxpar.train.fsdp_specs`][] over `fsdp` on top (FSDP inside the stages).
+    Cached per GPT, FSDP and model sizes (`fsdp_specs` may split a dimension `model` splits
+    further, where the sizes allow; the stage size changes only the blocks)."""
+    key = (id(gpt), layout.fsdp, layout.model)
     if key not in _SPECS:
-        _SPECS[key] = (gpt, pipeline_specs(gpt_stages(), gpt, partition_specs(gpt), "stage"))
+        specs = pipeline_specs(gpt_stages(), gpt, partition_specs(gpt), "stage")
+        if layout.fsdp > 1:
+            specs = fsdp_specs(gpt, mesh, batch_axis="fsdp", param_specs=specs)
+        _SPECS[key] = (gpt, specs)
     return _SPECS[key][1]
 
 
 def _split(gpt: GPT, specs: Any) -> tuple[Any, Any, Any, Any]:
     """The GPT's tree and specs in two: the stacked blocks, and the rest (embeddings,
     final norm, head: the parts copied on every stage)."""
-    key = id(gpt)
+    key = (id(gpt), id(specs))
     if key not in _SPLIT:
-        _SPLIT[key] = (gpt, (gpt.blocks, specs.blocks, _others(gpt), _others(specs)))
-    return _SPLIT[key][1]
+        _SPLIT[key] = (gpt, specs, (gpt.blocks, specs.blocks, _others(gpt), _others(specs)))
+    return _SPLIT[key][-1]
 
 
 def _others(tree: Any) -> Any:
@@ -93,9 +98,13 @@ def pipeline_comm(gpt: GPT, layout: Layout, specs: Any, batch: int, seq: int) ->
     - circular with `r > 1`: the blocks' interleaved layout on the way in and the
       gradients' on the way out, as XLA reshards them: an `all-to-all` over `stage` of each
       device's blocks each way, and with `r < P` also a `collective-permute` of them.
-    - gradients, summed once per step after the last micro-batch: the blocks over the batch
-      axes; the embeddings, final norm and head (copied on every stage) over the batch axes
-      and `stage`, with the loss (4 bytes).
+    - with `fsdp > 1` (FSDP inside the stages), once per step: an `all-gather` over `fsdp`
+      of every parameter split over it (the gathered bytes), and autodiff's transpose, a
+      `reduce-scatter` of their gradients (the same bytes).
+    - gradients, summed once per step after the last micro-batch, each leaf over the batch
+      axes it is copied on (not those it is split over: its scatter summed those): the
+      blocks over those; the embeddings, final norm and head (copied on every stage) over
+      those and `stage`, with the loss (4 bytes).
     - the gradient norm: one float32 scalar all-reduce per distinct set of axes the
       parameters' specs split over.
     - with `model > 1`, the GPT's Megatron all-reduces (as
@@ -131,18 +140,25 @@ def pipeline_comm(gpt: GPT, layout: Layout, specs: Any, batch: int, seq: int) ->
             terms.append(
                 TheoryTerm("collective-permute", ("stage",), 2 * layer_bytes, "circular: the interleave's moves")
             )
-    batch_key = _key(BATCH_AXES, sizes)
-    if batch_key:
-        terms.append(TheoryTerm("all-reduce", batch_key, layer_bytes, "gradients of the stage's blocks"))
+    if layout.fsdp > 1:
+        whole = block_bytes(gpt, specs, {**sizes, "fsdp": 1}, split_only=True)
+        terms.append(TheoryTerm("all-gather", ("fsdp",), whole, "FSDP: the stage's parameters, gathered once per step"))
+        terms.append(TheoryTerm("reduce-scatter", ("fsdp",), whole, "FSDP: their gradients, scattered once per step"))
+    sums = _gradient_sums(blocks, block_specs, sizes, ())
+    for axes, n in _gradient_sums(others, other_specs, sizes, ("stage",)).items():
+        sums[axes] = sums.get(axes, 0) + n
     everywhere = _key(("stage", *BATCH_AXES), sizes)
-    terms.append(
-        TheoryTerm(
-            "all-reduce",
-            everywhere,
-            block_bytes(others, other_specs, sizes) + 4,
-            "gradients of the embeddings, final norm and head (copied on every stage), and the loss",
+    sums[everywhere] = sums.get(everywhere, 0) + 4  # the loss
+    for axes, n in sums.items():
+        terms.append(
+            TheoryTerm(
+                "all-reduce",
+                axes,
+                n,
+                "gradients summed over the batch axes they are copied on (the embeddings, final norm and "
+                "head over `stage` too: copied on every stage), and the loss",
+            )
         )
-    )
     for axes in _norm_axes(gpt, specs, sizes):
         terms.append(TheoryTerm("all-reduce", axes, 4, "gradient norm: a float32 sum of squares"))
     if layout.model > 1:
@@ -158,6 +174,28 @@ def pipeline_comm(gpt: GPT, layout: Layout, specs: Any, batch: int, seq: int) ->
                 model_bytes += ticks_b * forward
         terms.append(TheoryTerm("all-reduce", ("model",), model_bytes, f"tensor parallelism, {chunk} blocks per tick"))
     return CommTheory(tuple(t for t in terms if t.axes and t.bytes))
+
+
+def _gradient_sums(tree: Any, specs: Any, sizes: dict[str, int], extra: tuple[str, ...]) -> dict[tuple, int]:
+    """Bytes of each device's gradients per set of axes `pipeline_step` sums them over:
+    the batch axes a leaf's spec does not split (those it splits over, `fsdp`, its gather's
+    transpose already scattered), and `extra`."""
+    out: dict[tuple, int] = {}
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    for leaf, spec in zip(jax.tree.leaves(tree), spec_leaves, strict=True):
+        if not hasattr(leaf, "dtype") or not np.issubdtype(leaf.dtype, np.inexact):
+            continue
+        split = spec_axes(spec or PartitionSpec())
+        key = _key((*(a for a in BATCH_AXES if a not in split), *extra), sizes)
+        if not key:
+            continue
+        entries = tuple(spec or PartitionSpec()) + (None,) * (len(leaf.shape) - len(spec or PartitionSpec()))
+        n = np.dtype(leaf.dtype).itemsize
+        for size, entry in zip(leaf.shape, entries):
+            axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+            n *= size // int(np.prod([sizes[a] for a in axes]))
+        out[key] = out.get(key, 0) + n
+    return out
 
 
 def _norm_axes(gpt: GPT, specs: Any, sizes: dict[str, int]) -> list[tuple[str, ...]]:
@@ -224,6 +262,8 @@ def pipeline_memory(
     else:
         saved, per_block = kept * tick, kept * activations.per_block
     temporaries = params  # the gradients
+    if layout.fsdp > 1:  # the stage's parameters gathered whole, and their gradients before the scatter
+        temporaries += 2 * (block_bytes(gpt, specs, {**sizes, "fsdp": 1}) - params)
     if np.dtype(dtype) != np.dtype(gpt.position_embedding.weight.dtype):
         temporaries += block_bytes(gpt, specs, sizes, dtype=dtype)
     temporaries += rows * seq * (gpt.padded_vocab_size // layout.model) * 4

@@ -184,7 +184,7 @@ def plan(
     Enumerates every factorisation of the cluster's devices into `stage x data x fsdp x
     context x model`, times remat (`none`, `save_matmuls`, `block`), Megatron sequence
     parallelism (with `model > 1`) and ring or all-gather attention (with `context > 1`),
-    and for pipelines (`stage > 1`, with `data` and `model` around it) the schedule
+    and for pipelines (`stage > 1`, with `data`, `fsdp` and `model` around it) the schedule
     (`gpipe`, `1f1b`, `circular` with 2 or 4 virtual stages), the micro-batches (`P`, `2P`,
     `4P` or one row each) and the pipeline's remat (`none`, `block`); rules out what the
     library's own checks refuse (heads, MLP width and vocabulary over `model`, the batch
@@ -194,7 +194,7 @@ def plan(
     axes, parameter, optimizer-state and saved-activation bytes; a pipeline's bubble) plus
     an estimate of XLA's temporaries; drops what exceeds `cluster.memory_per_device`; and
     ranks the rest by a roofline step time (`StepTime.expected`). Gradient accumulation
-    outside pipelines and FSDP inside pipeline stages are not planned yet. Everything is
+    outside pipelines is not planned yet. Everything is
     computed from shapes (`equinox.filter_eval_shape`): nothing is allocated or compiled.
 
     **Arguments:**
@@ -330,7 +330,7 @@ def price(
         return None
     mesh = abstract_mesh(layout.sizes)
     if layout.stage > 1:
-        specs = _pipeline.pipeline_layout_specs(gpt, layout)
+        specs = _pipeline.pipeline_layout_specs(gpt, layout, mesh)
         comm = _pipeline.pipeline_comm(gpt, layout, specs, batch, seq)
         mem = _pipeline.pipeline_memory(gpt, mesh, layout, specs, optimizer, batch, seq, dtype)
         flops = _pipeline.pipeline_flops(gpt, layout, batch, seq)
