@@ -82,7 +82,9 @@ def test_predictions_equal_the_compiled_step(moe, name):
     assert 0.5 < v.peak_ratio < 3.0, str(v)
 
 
-DEFAULT_BLOCKS = {(SHARED, "fsdp=2,expert=2,model=2 remat=save_matmuls")}
+# One more block's bytes: under thorough only (the default's compiled-step test and
+# tests/test_moe_activation_memory.py cover the same theory).
+DEFAULT_BLOCKS: set = set()
 EXACT_BLOCKS = [
     c
     for moe in (MOE, SHARED)

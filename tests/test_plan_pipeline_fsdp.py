@@ -6,7 +6,7 @@ gathered over `fsdp` once per step, their gradients reduce-scattered once per st
 other gradients summed over the batch axes they are copied on), and parameters +
 optimizer state equal the compiled shardings exactly.
 
-The default run compiles one candidate; `HYPOTHESIS_PROFILE=thorough` compiles every one."""
+The default run checks the candidates' rules; `HYPOTHESIS_PROFILE=thorough` compiles every one."""
 
 import dataclasses
 
@@ -36,7 +36,9 @@ def test_stage_by_fsdp_candidates():
             assert p.memory.optimizer_state < copies.memory.optimizer_state
 
 
-DEFAULT = ("stage=2,fsdp=4 remat=block gpipe M=2",)  # ~5 s: the quickest to compile
+# None compiles by default (the suite's 15-minute budget on 2 cores); the quickest is
+# "stage=2,fsdp=4 remat=block gpipe M=2", about 5 s.
+DEFAULT: tuple[str, ...] = ()
 
 
 def _cases():
