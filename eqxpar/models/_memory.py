@@ -46,6 +46,7 @@ from jax.sharding import Mesh
 from .._specs import AxisNames
 from ..inspect import ActivationTerm, ActivationTheory
 from ..nn import StackedLayers
+from ._moe_block import MoEBlock
 from ._step_sizes import gpt_step_sizes
 
 _CONTEXT_IMPLS = ("ring", "all_gather")
@@ -132,8 +133,8 @@ def gpt_activation_theory(
     # Hidden units per device of a plain block's MLP, and of an MoE block's dense MLP: its
     # shared experts' (none: 0); its routed experts are einsums no remat policy names,
     # recomputed under "block" and "save_matmuls".
-    plain = next((b.mlp for b in blocks_seen if not hasattr(b, "shared_experts")), None)
-    shared = next((b.shared_experts for b in blocks_seen if hasattr(b, "shared_experts")), None)
+    plain = next((b.mlp for b in blocks_seen if not isinstance(b, MoEBlock)), None)
+    shared = next((b.shared_experts for b in blocks_seen if isinstance(b, MoEBlock)), None)
     hidden = 0 if plain is None else plain.hidden.weight.shape[-2] // n
     shared_hidden = 0 if shared is None else shared.hidden.weight.shape[-2] // n
     residual_dropout = _active(model.dropout.p)

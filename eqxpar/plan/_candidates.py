@@ -95,6 +95,12 @@ class Layout:
         return f"{self.mesh_text()} remat={self.remat}{sp}{attention}{self.pipeline_text()}"
 
 
+def used_axes(axes: tuple[str, ...], sizes: dict[str, int]) -> tuple[str, ...]:
+    """`axes` of size above 1, in mesh order (the order of a layout's `sizes`): how a
+    theory keys a collective's axes."""
+    return tuple(a for a in sizes if a in axes and sizes[a] > 1)
+
+
 def factorisations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
     """Every ordered tuple of `parts` positive integers whose product is `n`."""
     if parts == 1:

@@ -23,8 +23,7 @@ from ..inspect import CommTheory, TheoryTerm
 from ..models import GPT, gpt_activation_theory, gpt_stages
 from ..nn import partition_specs
 from ..train import fsdp_specs, pipeline_specs
-from ._abstract import AXES
-from ._candidates import Layout
+from ._candidates import Layout, used_axes
 from ._predict import block_bytes, optimizer_layout
 from ._predict_memory import WORKING_SET_BLOCKS, Memory
 from ._predict_time import flops_per_token
@@ -82,10 +81,6 @@ def ticks(layout: Layout) -> tuple[int, int]:
 def in_flight(layout: Layout) -> int:
     """The most stage inputs a 1F1B stage keeps (`Schedule.max_in_flight`): `min(M, 2P - 1)`."""
     return min(layout.microbatches, 2 * layout.stage - 1)
-
-
-def _key(axes: tuple[str, ...], sizes: dict[str, int]) -> tuple[str, ...]:
-    return tuple(a for a in AXES if a in axes and sizes[a] > 1)
 
 
 def pipeline_comm(gpt: GPT, layout: Layout, specs: Any, batch: int, seq: int) -> CommTheory:
@@ -147,7 +142,7 @@ def pipeline_comm(gpt: GPT, layout: Layout, specs: Any, batch: int, seq: int) ->
     sums = _gradient_sums(blocks, block_specs, sizes, ())
     for axes, n in _gradient_sums(others, other_specs, sizes, ("stage",)).items():
         sums[axes] = sums.get(axes, 0) + n
-    everywhere = _key(("stage", *BATCH_AXES), sizes)
+    everywhere = used_axes(("stage", *BATCH_AXES), sizes)
     sums[everywhere] = sums.get(everywhere, 0) + 4  # the loss
     for axes, n in sums.items():
         terms.append(
@@ -186,7 +181,7 @@ def _gradient_sums(tree: Any, specs: Any, sizes: dict[str, int], extra: tuple[st
         if not hasattr(leaf, "dtype") or not np.issubdtype(leaf.dtype, np.inexact):
             continue
         split = spec_axes(spec or PartitionSpec())
-        key = _key((*(a for a in BATCH_AXES if a not in split), *extra), sizes)
+        key = used_axes((*(a for a in BATCH_AXES if a not in split), *extra), sizes)
         if not key:
             continue
         entries = tuple(spec or PartitionSpec()) + (None,) * (len(leaf.shape) - len(spec or PartitionSpec()))
@@ -211,7 +206,7 @@ def _norm_axes(gpt: GPT, specs: Any, sizes: dict[str, int]) -> list[tuple[str, .
             seen.append(axes)
     keys: list[tuple[str, ...]] = []
     for axes in seen:
-        key = _key(axes, sizes)
+        key = used_axes(axes, sizes)
         if key:
             keys.append(key)
     return keys

@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 from ..inspect import CommTheory, TheoryTerm, context_parallel_theory, data_parallel_theory, fsdp_theory
 from ..models import GPT, gpt_tensor_parallel_theory
-from ._candidates import Layout
+from ._candidates import Layout, used_axes
 from ._cluster import Link
 from ._experts import expert_comm
 from ._predict import attention_of, block_bytes
@@ -40,11 +40,6 @@ RING_HOPS = {
 }
 
 
-def _key(axes: tuple[str, ...], sizes: dict[str, int]) -> tuple[str, ...]:
-    """`axes` of size above 1, in mesh order (the order of a layout's `sizes`)."""
-    return tuple(a for a in sizes if a in axes and sizes[a] > 1)
-
-
 def comm_theory(gpt: GPT, mesh: Mesh, layout: Layout, specs: Any, batch: int, seq: int) -> CommTheory:
     """The collectives of the layout's step, by the library's theories:
 
@@ -62,7 +57,7 @@ def comm_theory(gpt: GPT, mesh: Mesh, layout: Layout, specs: Any, batch: int, se
     context_axis = "context" if layout.context > 1 else None
     remat = layout.remat != "none"
     batch_axes = layout.batch_axes
-    every = _key((*batch_axes, "context"), sizes)
+    every = used_axes((*batch_axes, "context"), sizes)
     if layout.fsdp == 1:
         theory = data_parallel_theory(
             gpt, mesh, specs, batch_axis=tuple(a for a in (*batch_axes, "context") if a != "fsdp")
