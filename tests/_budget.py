@@ -4,6 +4,7 @@ profile's many to `HYPOTHESIS_PROFILE=thorough`."""
 
 import os
 
+import pytest
 from hypothesis import settings
 
 THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
@@ -12,3 +13,9 @@ THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
 def examples(default: int):
     """A `hypothesis.settings` decorator: `default` examples, or the profile's own under thorough."""
     return settings() if THOROUGH else settings(max_examples=default)
+
+
+def case(*values, default: bool, id: str | None = None):
+    """A `pytest.param` of `values` that the default run takes when `default`, else only
+    the thorough one (marked `thorough`): for parametrized cases that each compile."""
+    return pytest.param(*values, marks=() if default else pytest.mark.thorough, id=id)

@@ -20,6 +20,7 @@ import math
 
 import jax.numpy as jnp
 import pytest
+from _budget import case
 from test_plan import SMALL, cpu_cluster, saved_bytes, small_plans
 
 import eqxpar.plan
@@ -38,10 +39,8 @@ def all_plans(moe: MoEOptions = MOE, layers: int = SMALL.layers) -> dict[str, eq
 
 
 def _cases(moe, names, default):
-    marks = lambda n: () if (moe, n) in default else pytest.mark.thorough  # noqa: E731
-    return [
-        pytest.param(moe, n, marks=marks(n), id=f"{'shared' if moe.shared_experts else 'routed'}-{n}") for n in names
-    ]
+    kind = "shared" if moe.shared_experts else "routed"
+    return [case(moe, n, default=(moe, n) in default, id=f"{kind}-{n}") for n in names]
 
 
 DEFAULT = {(SHARED, "fsdp=2,expert=2,model=2 remat=block")}

@@ -16,6 +16,7 @@ import functools
 
 import jax.numpy as jnp
 import pytest
+from _budget import case
 from hypothesis import given
 from hypothesis import strategies as st
 from test_plan import PAD, VOCAB, cpu_cluster
@@ -126,8 +127,8 @@ DEFAULT: tuple[str, ...] = ()
 
 def _cases():
     names = sorted(n for n, p in pipeline_plans().items() if p.layout.fsdp == 1)  # fsdp: test_plan_pipeline_fsdp.py
-    cases = [pytest.param(n, FOUR, marks=() if n in DEFAULT else pytest.mark.thorough) for n in names]
-    cases.append(pytest.param("stage=4,data=2 remat=none circular r=2 M=4", EIGHT, marks=pytest.mark.thorough))
+    cases = [case(n, FOUR, default=n in DEFAULT) for n in names]
+    cases.append(case("stage=4,data=2 remat=none circular r=2 M=4", EIGHT, default=False))
     return cases
 
 

@@ -11,6 +11,7 @@ The default run checks the candidates' rules; `HYPOTHESIS_PROFILE=thorough` comp
 import dataclasses
 
 import pytest
+from _budget import case
 from test_plan_pipeline import BATCH, FOUR, pipeline_plans
 
 import eqxpar.plan
@@ -43,7 +44,7 @@ DEFAULT: tuple[str, ...] = ()
 
 def _cases():
     names = sorted(fsdp_plans())
-    return [pytest.param(n, marks=() if n in DEFAULT else pytest.mark.thorough) for n in names]
+    return [case(n, default=n in DEFAULT) for n in names]
 
 
 @pytest.mark.parametrize("name", _cases())

@@ -14,6 +14,7 @@ import functools
 
 import jax.numpy as jnp
 import pytest
+from _budget import case
 from test_plan import PAD, SMALL, VOCAB, cpu_cluster, saved_bytes
 
 import eqxpar.plan
@@ -48,7 +49,7 @@ EVERY = sorted(all_plans())
 
 
 def _cases(names, default):
-    return [pytest.param(n, marks=() if n in default else pytest.mark.thorough) for n in names]
+    return [case(n, default=n in default) for n in names]
 
 
 @pytest.mark.parametrize("name", _cases(EVERY, DEFAULT))
