@@ -31,6 +31,8 @@ from eqxpar.inspect import (
     data_parallel_theory,
     fsdp_theory,
     memory_report,
+    report_axes,
+    theory_term,
 )
 from eqxpar.models import gpt_tensor_parallel_theory
 from eqxpar.testing import mesh_sizes
@@ -303,6 +305,24 @@ def test_errors():
     with pytest.raises(ValueError, match="no axis 'batch'"):
         CommReport(compiled=(), lowered=(), mesh=mesh).bytes(axes="batch")
     assert set(COLLECTIVE_KINDS) >= {t.kind for t in gpt_case("hybrid")[2].terms}
+
+
+def test_a_theory_built_from_its_public_parts():
+    # A model's own theory: axes keyed as a report keys them, terms that move nothing dropped.
+    mesh = eqxpar.make_mesh(data=1, fsdp=2, model=4)
+    assert report_axes(("model", "data", "fsdp"), mesh) == ("fsdp", "model")
+    assert report_axes("data", mesh) == ()
+    axes = report_axes("model", mesh)
+    theory = CommTheory(
+        theory_term("all-reduce", axes, 64, "outputs, forward")
+        + theory_term("all-reduce", report_axes("data", mesh), 64, "over one device: nothing")
+        + theory_term("all-gather", axes, 0, "no bytes: nothing")
+    )
+    assert theory.traffic() == {("all-reduce", ("model",)): 64}
+    with pytest.raises(ValueError, match="my_theory: the mesh has no axis 'batch'"):
+        report_axes("batch", mesh, "my_theory")
+    with pytest.raises(ValueError, match="unknown collective kind 'allreduce'"):
+        theory_term("allreduce", axes, 4, "a typo")
 
 
 def test_a_function_called_twice_counts_twice():

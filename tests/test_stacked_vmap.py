@@ -31,3 +31,10 @@ def test_fsdp_units_refuse_a_stack(caplog):
     assert text.startswith("fsdp_step: units names model.blocks, layers stacked with eqx.filter_vmap"), text
     assert f"up.weight has shape ({LAYERS}, 16, 8)" in text and "eqxpar.nn.StackedLayers" in text, text
     assert no_compiles(caplog)
+
+
+def test_stacked_weight_finds_the_first_stacked_weight():
+    model = ScannedNet(jax.random.key(0))
+    assert eqxpar.nn.stacked_weight(model) == ("blocks.up.weight", (LAYERS, 16, 8))
+    assert eqxpar.nn.stacked_weight(model.blocks.down) == ("weight", (LAYERS, 8, 16))
+    assert eqxpar.nn.stacked_weight(model.head) is None

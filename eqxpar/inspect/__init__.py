@@ -41,10 +41,19 @@ from ._collective import COLLECTIVE_KINDS, Collective
 from ._context_theory import context_parallel_theory, sequence_parallel_theory
 from ._expert_theory import expert_parallel_theory
 from ._flops import PEAK_FLOPS, compiled_flops, mfu, peak_flops, transformer_flops_per_token
+from ._format import report_axes
 from ._hlo import collectives_in_hlo, collectives_in_lowered
 from ._memory import MemoryReport, memory_report
 from ._report import CommReport, communication_report
-from ._theory import CommComparison, CommTheory, ComparisonRow, TheoryTerm, data_parallel_theory, fsdp_theory
+from ._theory import (
+    CommComparison,
+    CommTheory,
+    ComparisonRow,
+    TheoryTerm,
+    data_parallel_theory,
+    fsdp_theory,
+    theory_term,
+)
 
 __all__ = [
     "Collective",
@@ -54,6 +63,8 @@ __all__ = [
     "collectives_in_lowered",
     "COLLECTIVE_KINDS",
     "TheoryTerm",
+    "theory_term",
+    "report_axes",
     "CommTheory",
     "CommComparison",
     "ComparisonRow",

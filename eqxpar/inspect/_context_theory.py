@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
-from ._theory import CommTheory, axis_size, term
+from ._theory import CommTheory, axis_size, theory_term
 
 CONTEXT_MODES = ("ring", "all_gather")
 
@@ -89,16 +89,18 @@ def context_parallel_theory(
     if mode == "ring":
         forward = num_layers * (c - 1) * kv * item
         return CommTheory(
-            term("collective-permute", axes, forward, "ring: K/V blocks, forward")
-            + term("collective-permute", axes, forward, "ring: K/V blocks again, backward")
-            + term("collective-permute", axes, num_layers * c * kv * 4, "ring: K/V gradients (float32), backward")
-            + (term("collective-permute", axes, forward, "ring: forward recomputed (remat)") if remat else ())
+            theory_term("collective-permute", axes, forward, "ring: K/V blocks, forward")
+            + theory_term("collective-permute", axes, forward, "ring: K/V blocks again, backward")
+            + theory_term(
+                "collective-permute", axes, num_layers * c * kv * 4, "ring: K/V gradients (float32), backward"
+            )
+            + (theory_term("collective-permute", axes, forward, "ring: forward recomputed (remat)") if remat else ())
         )
     gathered = num_layers * c * kv * item
     return CommTheory(
-        term("all-gather", axes, gathered, "all-gather of K and V, forward")
-        + term("reduce-scatter", axes, gathered, "reduce-scatter of K/V gradients, backward")
-        + (term("all-gather", axes, gathered, "all-gather of K and V recomputed (remat)") if remat else ())
+        theory_term("all-gather", axes, gathered, "all-gather of K and V, forward")
+        + theory_term("reduce-scatter", axes, gathered, "reduce-scatter of K/V gradients, backward")
+        + (theory_term("all-gather", axes, gathered, "all-gather of K and V recomputed (remat)") if remat else ())
     )
 
 
@@ -155,13 +157,13 @@ def sequence_parallel_theory(
     axes = (model_axis,) if n_model > 1 else ()
     per_direction = 2 * num_layers * act  # two regions per block
     return CommTheory(
-        term(
+        theory_term(
             "all-gather",
             axes,
             2 * per_direction,
             "SP: gather the sequence into each TP region (fwd) and its transpose (bwd)",
         )
-        + term(
+        + theory_term(
             "reduce-scatter",
             axes,
             2 * per_direction,

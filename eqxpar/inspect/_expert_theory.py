@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
-from ._format import axes_key
-from ._theory import CommTheory, axis_size, term
+from ._format import report_axes
+from ._theory import CommTheory, axis_size, theory_term
 
 
 def _positive_int(who: str, name: str, value: Any) -> None:
@@ -101,11 +101,11 @@ def expert_parallel_theory(
             f"{who}: num_experts={num_experts} do not split over the {n} devices of the expert axis "
             f"{expert_axis!r}; use a multiple of {n}."
         )
-    axes = axes_key(expert_axis, mesh, who)
+    axes = report_axes(expert_axis, mesh, who)
     buffer = num_experts * (groups // shards) * capacity * dim * np.dtype(dtype).itemsize * num_layers
     return CommTheory(
-        term("all-to-all", axes, buffer, "forward: tokens to their experts (E x groups x capacity x dim)")
-        + term("all-to-all", axes, buffer, "forward: the experts' outputs back")
-        + term("all-to-all", axes, buffer, "backward: the outputs' cotangents to the experts")
-        + (term("all-to-all", axes, buffer, "backward: the inputs' cotangents back") if input_grad else ())
+        theory_term("all-to-all", axes, buffer, "forward: tokens to their experts (E x groups x capacity x dim)")
+        + theory_term("all-to-all", axes, buffer, "forward: the experts' outputs back")
+        + theory_term("all-to-all", axes, buffer, "backward: the outputs' cotangents to the experts")
+        + (theory_term("all-to-all", axes, buffer, "backward: the inputs' cotangents back") if input_grad else ())
     )

@@ -44,8 +44,29 @@ def stages(who: str, fn: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
     return lowered, lowered.compile()
 
 
-def axes_key(axes: AxisNames, mesh: Mesh | AbstractMesh, who: str) -> tuple[str, ...]:
-    """Axis names as a report keys them: in mesh order, axes of size 1 left out."""
+def report_axes(axes: AxisNames, mesh: Mesh | AbstractMesh, who: str = "report_axes") -> tuple[str, ...]:
+    """Mesh axis names as reports and theories key them: in the mesh's order, axes of size
+    1 left out (a collective over them moves nothing).
+
+    [`eqxpar.inspect.CommReport`][] and [`eqxpar.inspect.CommTheory`][] key their traffic by
+    such tuples, so a theory built from [`eqxpar.inspect.theory_term`][]s takes its axes
+    from here to compare with a report.
+
+    **Arguments:**
+
+    - `axes`: one mesh axis name, or several in any order.
+    - `mesh`: the `jax.sharding.Mesh` (or `AbstractMesh`) they belong to.
+    - `who`: the name an error message starts with (the caller's).
+
+    **Returns:**
+
+    The names in `axes` whose size is above 1, as a tuple in `mesh.axis_names` order; `()`
+    if there are none.
+
+    **Raises:**
+
+    `ValueError` if `mesh` has no axis of one of the names.
+    """
     names = (axes,) if isinstance(axes, str) else tuple(axes)
     for a in names:
         if a not in mesh.shape:

@@ -10,7 +10,7 @@ import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from ._collective import COLLECTIVE_KINDS, Collective
-from ._format import AxisNames, Stage, axes_key, axes_label, is_stage, stages, table, unwrap
+from ._format import AxisNames, Stage, axes_label, is_stage, report_axes, stages, table, unwrap
 from ._hlo import collectives_in_hlo, collectives_in_lowered, mesh_of_lowered
 from ._theory import CommComparison, CommTheory, ComparisonRow
 
@@ -86,7 +86,7 @@ class CommReport:
         if axes is None:
             return ops
         mesh = self._require_mesh("axes=")
-        want = axes_key(axes, mesh, "CommReport")
+        want = report_axes(axes, mesh, "CommReport")
         return tuple(c for c in ops if c.axes(mesh) == want)
 
     def count(

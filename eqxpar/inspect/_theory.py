@@ -3,7 +3,8 @@
 [`eqxpar.inspect.data_parallel_theory`][] and [`eqxpar.inspect.fsdp_theory`][] know only
 parameter shapes and specs; a model's own activation traffic (tensor parallelism) lives
 beside the model ([`eqxpar.models.gpt_tensor_parallel_theory`][]) and is built from the
-public helpers here (`term`, `axis_size`, `params_and_specs`, `block_nbytes`).
+helpers here ([`eqxpar.inspect.theory_term`][], [`eqxpar.inspect.report_axes`][], and
+`axis_size`, `params_and_specs`, `block_nbytes`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from jaxtyping import PyTree
 
 from .._specs import AxisNames, broadcast_specs, entry_axes, pad_spec, validate_spec
 from ._collective import COLLECTIVE_KINDS
-from ._format import Stage, axes_key, axes_label, table
+from ._format import Stage, axes_label, report_axes, table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,9 +78,40 @@ class CommTheory:
         return "\n".join(line.rstrip() for line in lines)
 
 
-def term(kind: str, axes: tuple[str, ...], nbytes: int, what: str) -> tuple[TheoryTerm, ...]:
-    """A theory's term as a 1-tuple, or `()` when it moves nothing (no axes of size above
-    1, or no bytes): add the results up and pass them to `CommTheory`."""
+def theory_term(kind: str, axes: tuple[str, ...], nbytes: int, what: str) -> tuple[TheoryTerm, ...]:
+    """One term of a communication theory, or none when it moves nothing.
+
+    The building block of the theory functions (and of a model's own, like
+    [`eqxpar.models.gpt_tensor_parallel_theory`][]): add the results up and pass the sum to
+    [`eqxpar.inspect.CommTheory`][].
+
+    ```python
+    axes = report_axes("model", mesh, "my_theory")
+    theory = CommTheory(
+        theory_term("all-reduce", axes, 2 * layers * stream, "attention and MLP outputs, forward")
+        + theory_term("all-reduce", axes, stream, "head input gradient, backward")
+    )
+    ```
+
+    **Arguments:**
+
+    - `kind`: the collective, one of [`eqxpar.inspect.COLLECTIVE_KINDS`][].
+    - `axes`: the mesh axes it runs over, keyed as a report keys them (in mesh order, axes
+        of size 1 left out): pass them through [`eqxpar.inspect.report_axes`][].
+    - `nbytes`: bytes per device per step, by the module's bytes convention.
+    - `what`: what the term counts, in words.
+
+    **Returns:**
+
+    A 1-tuple holding the [`eqxpar.inspect.TheoryTerm`][], or `()` when `axes` is empty
+    (every axis of size 1) or `nbytes` is 0.
+
+    **Raises:**
+
+    `ValueError` if `kind` is not one of `COLLECTIVE_KINDS`.
+    """
+    if kind not in COLLECTIVE_KINDS:
+        raise ValueError(f"theory_term: unknown collective kind {kind!r}; use one of {COLLECTIVE_KINDS}.")
     return (TheoryTerm(kind, axes, int(nbytes), what),) if axes and nbytes else ()
 
 
@@ -154,12 +186,12 @@ def data_parallel_theory(
     """
     who = "data_parallel_theory"
     axis_size(mesh, batch_axis, who, "data")
-    axes = axes_key(batch_axis, mesh, who)
+    axes = report_axes(batch_axis, mesh, who)
     pairs = params_and_specs(model, param_specs, mesh, who)
     grads = sum(block_nbytes(leaf, spec, mesh) for _, leaf, spec in pairs)
     return CommTheory(
-        term("all-reduce", axes, grads, "gradients: each device's parameter bytes")
-        + term("all-reduce", axes, 4, "loss (float32 scalar), reduced with the gradients")
+        theory_term("all-reduce", axes, grads, "gradients: each device's parameter bytes")
+        + theory_term("all-reduce", axes, 4, "loss (float32 scalar), reduced with the gradients")
         + _grad_norm_terms(pairs, mesh, who)
     )
 
@@ -171,7 +203,9 @@ def _grad_norm_terms(pairs: list, mesh: Mesh, who: str) -> tuple:
     groups = {tuple(a for e in pad_spec(spec, leaf.ndim) for a in entry_axes(e)) for _, leaf, spec in pairs}
     terms: tuple = ()
     for axes in sorted(g for g in groups if g):
-        terms += term("all-reduce", axes_key(axes, mesh, who), 4, f"gradient norm: partial sum of squares over {axes}")
+        terms += theory_term(
+            "all-reduce", report_axes(axes, mesh, who), 4, f"gradient norm: partial sum of squares over {axes}"
+        )
     return terms
 
 
@@ -218,7 +252,7 @@ def fsdp_theory(
     who = "fsdp_theory"
     axis_size(mesh, batch_axis, who, "fsdp")
     pairs = params_and_specs(model, param_specs, mesh, who)
-    fsdp_key = axes_key(batch_axis, mesh, who)
+    fsdp_key = report_axes(batch_axis, mesh, who)
     again = _selected(model, regathered, who) if regathered is not None else set()
     gathered = scattered = reduced = regather = 0
     for index, leaf, spec in pairs:
@@ -232,13 +266,13 @@ def fsdp_theory(
         else:
             reduced += block
     terms = (
-        term("all-gather", fsdp_key, gathered, "parameters, gathered forward")
-        + term("all-gather", fsdp_key, regather, "parameters gathered again for the backward pass (remat)")
-        + term("reduce-scatter", fsdp_key, scattered, "gradients of the split parameters")
-        + term("all-reduce", fsdp_key, reduced, "gradients of the parameters kept whole")
+        theory_term("all-gather", fsdp_key, gathered, "parameters, gathered forward")
+        + theory_term("all-gather", fsdp_key, regather, "parameters gathered again for the backward pass (remat)")
+        + theory_term("reduce-scatter", fsdp_key, scattered, "gradients of the split parameters")
+        + theory_term("all-reduce", fsdp_key, reduced, "gradients of the parameters kept whole")
     )
     if metrics:
-        terms += term("all-reduce", fsdp_key, 4, "loss, reduced with the gradients of the parameters kept whole")
+        terms += theory_term("all-reduce", fsdp_key, 4, "loss, reduced with the gradients of the parameters kept whole")
         terms += _grad_norm_terms(pairs, mesh, who)
     return CommTheory(terms)
 

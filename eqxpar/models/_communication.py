@@ -13,9 +13,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from .._specs import AxisNames
-from ..inspect import CommTheory, sequence_parallel_theory
-from ..inspect._format import axes_key
-from ..inspect._theory import term
+from ..inspect import CommTheory, report_axes, sequence_parallel_theory, theory_term
 from ._step_sizes import gpt_step_sizes
 
 
@@ -87,7 +85,7 @@ def gpt_tensor_parallel_theory(
     """
     who = "gpt_tensor_parallel_theory"
     sizes = gpt_step_sizes(who, model, mesh, batch_size, seq_len, batch_axis=batch_axis, context_axis=context_axis)
-    axes = axes_key(model.axis_name, mesh, who)
+    axes = report_axes(model.axis_name, mesh, who)
     itemsize = np.dtype(model.position_embedding.weight.dtype).itemsize
     tokens = sizes.tokens
     dim = model.position_embedding.weight.shape[1]
@@ -109,12 +107,16 @@ def gpt_tensor_parallel_theory(
             model, blocks_theory, axes, blocks, stream, tokens, seq_len, dim, itemsize, remat
         )
     return CommTheory(
-        term("all-reduce", axes, 2 * blocks * stream, f"{blocks} blocks x (attention, MLP) outputs, forward")
-        + term("all-reduce", axes, 2 * blocks * stream, f"{blocks} blocks x (attention, MLP) input gradients, backward")
-        + term("all-reduce", axes, stream, "token embedding lookup, forward")
-        + term("all-reduce", axes, stream, "head input gradient, backward")
-        + term("all-reduce", axes, 3 * tokens * itemsize, "cross-entropy: max, sum of exponentials, target logit")
-        + (term("all-reduce", axes, blocks * stream, "attention outputs recomputed (remat)") if remat else ())
+        theory_term("all-reduce", axes, 2 * blocks * stream, f"{blocks} blocks x (attention, MLP) outputs, forward")
+        + theory_term(
+            "all-reduce", axes, 2 * blocks * stream, f"{blocks} blocks x (attention, MLP) input gradients, backward"
+        )
+        + theory_term("all-reduce", axes, stream, "token embedding lookup, forward")
+        + theory_term("all-reduce", axes, stream, "head input gradient, backward")
+        + theory_term(
+            "all-reduce", axes, 3 * tokens * itemsize, "cross-entropy: max, sum of exponentials, target logit"
+        )
+        + (theory_term("all-reduce", axes, blocks * stream, "attention outputs recomputed (remat)") if remat else ())
     )
 
 
@@ -133,12 +135,22 @@ def _sequence_parallel_terms(
     params = (norms + biases + seq_len * dim) * itemsize
     terms = (
         blocks_theory.terms
-        + term("all-gather", axes, 2 * stream, "SP: the head's input (fwd), the embedding's output gradient (bwd)")
-        + term("reduce-scatter", axes, 2 * stream, "SP: the embedding's output (fwd), the head's input gradient (bwd)")
-        + term("all-reduce", axes, params, "SP: gradients of layer norms, MLP output biases, position rows")
-        + term("all-reduce", axes, 3 * tokens * itemsize, "cross-entropy: max, sum of exponentials, target logit")
+        + theory_term(
+            "all-gather", axes, 2 * stream, "SP: the head's input (fwd), the embedding's output gradient (bwd)"
+        )
+        + theory_term(
+            "reduce-scatter", axes, 2 * stream, "SP: the embedding's output (fwd), the head's input gradient (bwd)"
+        )
+        + theory_term("all-reduce", axes, params, "SP: gradients of layer norms, MLP output biases, position rows")
+        + theory_term(
+            "all-reduce", axes, 3 * tokens * itemsize, "cross-entropy: max, sum of exponentials, target logit"
+        )
     )
     if remat:
-        terms += term("all-gather", axes, 2 * blocks * stream, "SP: attention and MLP input gathers recomputed (remat)")
-        terms += term("reduce-scatter", axes, blocks * stream, "SP: attention output scatters recomputed (remat)")
+        terms += theory_term(
+            "all-gather", axes, 2 * blocks * stream, "SP: attention and MLP input gathers recomputed (remat)"
+        )
+        terms += theory_term(
+            "reduce-scatter", axes, blocks * stream, "SP: attention output scatters recomputed (remat)"
+        )
     return CommTheory(terms)

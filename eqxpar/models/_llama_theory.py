@@ -9,9 +9,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from .._specs import AxisNames, check_axes
-from ..inspect import CommTheory
-from ..inspect._format import axes_key
-from ..inspect._theory import term
+from ..inspect import CommTheory, report_axes, theory_term
 from ._llama import Llama
 
 __all__ = ["llama_tensor_parallel_theory"]
@@ -82,16 +80,20 @@ def llama_tensor_parallel_theory(
     max_seq_len = model.config.max_seq_len
     if not (isinstance(seq_len, int) and 0 < seq_len <= max_seq_len):
         raise ValueError(f"{who}: seq_len must be in 1..{max_seq_len} (the Llama's max_seq_len), got {seq_len!r}.")
-    axes = axes_key(model.axis_name, mesh, who)
+    axes = report_axes(model.axis_name, mesh, who)
     itemsize = np.dtype(model.embed_tokens.weight.dtype).itemsize
     tokens = batch_size // replicas * seq_len
     stream = tokens * model.config.dim * itemsize
     layers = model.num_layers
     return CommTheory(
-        term("all-reduce", axes, 2 * layers * stream, f"{layers} layers x (o_proj, down_proj) outputs, forward")
-        + term("all-reduce", axes, 2 * layers * stream, f"{layers} layers x (attention, MLP) input gradients, backward")
-        + term("all-reduce", axes, stream, "token embedding lookup, forward")
-        + term("all-reduce", axes, stream, "head input gradient, backward")
-        + term("all-reduce", axes, 3 * tokens * itemsize, "cross-entropy: max, sum of exponentials, target logit")
-        + (term("all-reduce", axes, layers * stream, "attention outputs recomputed (remat)") if remat else ())
+        theory_term("all-reduce", axes, 2 * layers * stream, f"{layers} layers x (o_proj, down_proj) outputs, forward")
+        + theory_term(
+            "all-reduce", axes, 2 * layers * stream, f"{layers} layers x (attention, MLP) input gradients, backward"
+        )
+        + theory_term("all-reduce", axes, stream, "token embedding lookup, forward")
+        + theory_term("all-reduce", axes, stream, "head input gradient, backward")
+        + theory_term(
+            "all-reduce", axes, 3 * tokens * itemsize, "cross-entropy: max, sum of exponentials, target logit"
+        )
+        + (theory_term("all-reduce", axes, layers * stream, "attention outputs recomputed (remat)") if remat else ())
     )

@@ -29,7 +29,7 @@ from ._moe_dispatch import expert_capacity
 from ._moe_router import MoEAux, update_router_bias
 from ._norm import gelu, layer_norm
 from ._parallelize import auto_plan, parallelize
-from ._plan import Plan, PlanRow
+from ._plan import Plan, PlanRow, stacked_weight
 from ._plan_stacked import VmappedStack
 from ._registry import register_style, unregister_style
 from ._ring_attention import ring_attention
@@ -55,6 +55,7 @@ __all__ = [
     "vocab_parallel_cross_entropy",
     "StackedLayers",
     "VmappedStack",
+    "stacked_weight",
     "partition_specs",
     "from_dense",
     "to_dense",

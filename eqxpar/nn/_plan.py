@@ -125,11 +125,25 @@ def units(tree: Any, opened: set[Path], path: Path = ()) -> Iterator[tuple[Path,
 
 
 def stacked_weight(node: Any) -> tuple[str, tuple[int, ...]] | None:
-    """Where `node` holds layers stacked with `eqx.filter_vmap` (to run with `lax.scan`): the
-    first `eqx.nn.Linear` or `eqx.nn.Embedding` in it (itself included) whose weight has
-    axes in front of its own two, or the first array of a stacked layer `parallelize` split
-    per layer (a `VmappedStack`), as `(its path inside node, the shape)`; None if there is
-    none. Such a weight's leading axis counts layers, which nothing may split."""
+    """Where `node` holds layers stacked with `eqx.filter_vmap` (to run with `lax.scan`).
+
+    Such a stack's weights carry a leading axis that counts layers, which no mesh axis may
+    split and which an FSDP unit cannot gather on call:
+    [`eqxpar.nn.parallelize`][] splits these stacks per layer, and the train steps refuse one
+    named as an FSDP unit. Layers inside eqxpar's tensor-parallel layers (such as
+    [`eqxpar.nn.StackedLayers`][]) keep their own stacks and are not looked into.
+
+    **Arguments:**
+
+    - `node`: a model or any part of one (a PyTree of Equinox modules).
+
+    **Returns:**
+
+    `(path, shape)` of the first `eqx.nn.Linear` or `eqx.nn.Embedding` weight in `node`
+    (itself included) with axes in front of its own two, or of the first array of a stack
+    `parallelize` already split per layer ([`eqxpar.nn.VmappedStack`][]); `path` is where
+    it sits inside `node` (e.g. `"blocks.mlp.weight"`). `None` if `node` holds no stack.
+    """
     inside_tp: list[Path] = []  # tensor-parallel layers (StackedLayers) keep their own stacks
     for path, sub in walk(node):
         if any(path[: len(t)] == t for t in inside_tp):

@@ -29,8 +29,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from ..inspect import CommTheory, TheoryTerm, expert_parallel_theory
-from ..inspect._theory import term
+from ..inspect import CommTheory, TheoryTerm, expert_parallel_theory, theory_term
 from ..models import GPT, GPTConfig, MoEOptions, stack_blocks
 from ._abstract import experts_of
 from ._candidates import Layout
@@ -121,8 +120,8 @@ def expert_comm(
             continue
         experts = _expert_bytes(gpt, specs, sizes, GRADIENT_SUMS[t.what])
         others = tuple(a for a in t.axes if a != "expert")
-        terms += term("all-reduce", t.axes, t.bytes - experts, t.what)
-        terms += term("all-reduce", others, experts, "the experts' gradients, over the batch axes but expert")
+        terms += theory_term("all-reduce", t.axes, t.bytes - experts, t.what)
+        terms += theory_term("all-reduce", others, experts, "the experts' gradients, over the batch axes but expert")
     moe, layer = gpt.moe, experts_of(gpt)
     assert moe is not None and layer is not None  # a plan with an expert axis is for an MoE GPT
     dim = gpt.position_embedding.weight.shape[-1]
@@ -145,10 +144,10 @@ def expert_comm(
         tokens = batch // layout.batch_shards * seq
         layers = gpt.num_layers
         weights = layers * tokens * moe.top_k * np.dtype(np.float32).itemsize
-        terms += term("all-reduce", ("model",), weights, "MoE routing weights' gradient (top_k per token)")
+        terms += theory_term("all-reduce", ("model",), weights, "MoE routing weights' gradient (top_k per token)")
         if moe.shared_experts:
             stream = 2 * layers * tokens * dim * np.dtype(dtype).itemsize
-            terms += term("all-reduce", ("model",), stream, "shared experts: output (fwd), input gradient (bwd)")
+            terms += theory_term("all-reduce", ("model",), stream, "shared experts: output (fwd), input gradient (bwd)")
     return CommTheory(tuple(terms))
 
 

@@ -12,8 +12,7 @@ from jax.sharding import Mesh
 from jaxtyping import PyTree
 
 from .._specs import axis_names
-from ..nn import StackedLayers, TensorParallelLayer
-from ..nn._plan import stacked_weight
+from ..nn import StackedLayers, TensorParallelLayer, stacked_weight
 
 
 def _reduced_axes(node: Any) -> tuple[str, ...] | None:
