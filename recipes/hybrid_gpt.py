@@ -150,6 +150,8 @@ def main(argv=None) -> dict:
     compiled = lowered.compile()
     comm = CommReport.of(lowered, compiled)
     memory = MemoryReport.of(compiled, model, opt_state, batch(0), train_key)
+    with eqxpar.recipe.flag_errors():  # --layout auto: the compiled step must fit the memory, or stop here
+        eqxpar.recipe.check_compiled_peak(cfg, plan, memory)
     if eqxpar.recipe.is_main_process():
         print(f"mesh {dict(mesh.shape)}; collectives of one train step (per device):\n{comm}\n")
 

@@ -184,6 +184,8 @@ def main(argv=None) -> dict:
     compiled = lowered.compile()
     temp_bytes = compiled.memory_analysis().temp_size_in_bytes
     memory = MemoryReport.of(compiled, model, opt_state, batch(0))
+    with eqxpar.recipe.flag_errors():  # --layout auto: the compiled step must fit the memory, or stop here
+        eqxpar.recipe.check_compiled_peak(cfg, plan, memory)
     # Activation memory: what autodiff keeps for the backward pass (traced), and its theory.
     saved_bytes = step.saved_activation_bytes(model, opt_state, batch(0))
     activations = gpt_activation_theory(

@@ -158,6 +158,8 @@ def main(argv=None) -> dict:
     temp = compiled.memory_analysis().temp_size_in_bytes
     comm = CommReport.of(lowered, compiled)
     memory = MemoryReport.of(compiled, model, opt_state, batch(0))
+    with eqxpar.recipe.flag_errors():  # --layout auto: the compiled step must fit the memory, or stop here
+        eqxpar.recipe.check_compiled_peak(cfg, plan, memory)
     table = step.schedule
     bubble = table.bubble_fraction()
     rows = cfg.batch_size // (sizes["data"] * M)

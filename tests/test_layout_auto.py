@@ -4,6 +4,7 @@ Equinox + optax loop (no eqxpar step builder, no planner); its predicted collect
 equal the compiled step's; bad input ends before anything compiles, naming the memory or
 batch that would work."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -44,7 +45,10 @@ def test_layout_auto_on_8_devices_prints_the_plans_and_equals_one_device(tmp_pat
     metrics = run_recipe("hybrid_gpt", tmp_path, "--layout", "auto", *SMALL)
     out = capsys.readouterr().out
     assert "--layout auto: 5 fastest of the data x model layouts on 8 simulated CPU devices (4 GB each)" in out
-    table = out[out.index("\nlayout ") : out.index("mesh {")]
+    start = out.index("\nlayout ")
+    table = out[start : out.index("\n\n", start + 1)]
+    peak = f"peak per device predicted {metrics['predicted_peak_bytes']:,} bytes, compiled {metrics['compiled_peak_bytes']:,}"
+    assert f"\nlayout {metrics['layout']}: {peak}" in out  # printed after the compile, before training
     rows = table.strip().splitlines()[2:]  # under the header and its rule
     assert len(rows) == 5 and "step us" in table and "compute-bound" in rows[0]
     assert rows[0].startswith(metrics["layout"] + " ")  # the first plan is the one that ran
@@ -96,6 +100,41 @@ def test_a_memory_nothing_fits_names_the_memory_that_would(capsys):
     assert fits and all(p.memory.peak <= least * 1e9 for p in fits)
     with pytest.raises(ValueError, match="fits"):
         eqxpar.plan.plan(config, cluster=eqxpar.recipe.local_cluster(min(p.memory.peak for p in fits) - 1), **common)
+
+
+def test_a_plan_whose_compiled_step_does_not_fit_stops_before_training(capsys, tmp_path):
+    """The planner's peak is an estimate; the compiled step's decides. At the least memory
+    any layout is predicted to need, the one plan that fits is chosen, and XLA:CPU's program
+    for it needs more than predicted (this toy's fixed costs): the recipe stops after the
+    compile, before the first step, writing nothing, and names the memory that would do."""
+    least = recipe_error(capsys, "--memory-per-device", "0.0001").split("Give --memory-per-device ")[1].split()[0]
+    checkpoints, metrics = tmp_path / "ckpt", tmp_path / "metrics.json"
+    flags = ("--memory-per-device", least, "--checkpoint-dir", str(checkpoints), "--metrics-out", str(metrics))
+    err = recipe_error(capsys, *flags)
+    assert "whose predicted peak" in err and f"fits {least} GB, but its compiled step needs" in err
+    predicted = int(err.split("predicted peak (")[1].split()[0].replace(",", ""))
+    compiled = int(err.split("compiled step needs ")[1].split()[0].replace(",", ""))
+    assert predicted <= float(least) * 1e9 < compiled
+    enough = float(err.split("give --memory-per-device ")[1].split()[0])
+    assert compiled <= enough * 1e9 < compiled * 1.01
+    assert not checkpoints.exists() and not metrics.exists()
+
+
+def test_the_compiled_peak_is_printed_beside_the_prediction(capsys):
+    machine = eqxpar.recipe.local_cluster()
+    config = eqxpar.models.GPTConfig(context=CONTEXT, dim=DIM, heads=HEADS, layers=LAYERS)
+    (plan,) = eqxpar.plan.plan(config, batch=BATCH, cluster=machine, vocab_size=61, dtype=np.float32, top=1)
+    (check,) = eqxpar.plan.validate([plan])
+    cfg = load_recipe("hybrid_gpt").Config(layout="auto", memory_per_device=None)
+    eqxpar.recipe.check_compiled_peak(cfg, plan, check.memory)
+    out = capsys.readouterr().out
+    assert f"layout {plan.layout}: peak per device predicted {plan.memory.peak:,} bytes, compiled" in out
+    assert f"compiled {check.memory.peak:,} ({check.memory.peak / plan.memory.peak:.2f} of the prediction" in out
+    eqxpar.recipe.check_compiled_peak(cfg, None, check.memory)  # --layout mesh: nothing to check
+    assert capsys.readouterr().out == ""
+    with pytest.raises(ValueError, match=f"compiled step needs {check.memory.peak:,} bytes per device"):
+        tight = check.memory.peak / 1e9 * (1 - 1e-6)
+        eqxpar.recipe.check_compiled_peak(dataclasses.replace(cfg, memory_per_device=tight), plan, check.memory)
 
 
 def test_a_batch_no_layout_divides_names_the_batch_that_would(capsys):

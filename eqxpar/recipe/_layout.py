@@ -18,7 +18,7 @@ from ..plan import PRESETS, Cluster, Plan, cluster, plan, table
 from ._flags import mesh_text
 from ._output import is_main_process
 
-__all__ = ["LayoutFlags", "auto_layout", "local_cluster", "layout_metrics", "CPU_CLUSTER"]
+__all__ = ["LayoutFlags", "auto_layout", "check_compiled_peak", "local_cluster", "layout_metrics", "CPU_CLUSTER"]
 
 C = TypeVar("C")
 LayoutChoice = Literal["mesh", "auto"]  # --layout's choices: --help lists them, tyro refuses others
@@ -212,6 +212,48 @@ def auto_layout(
         flags = dataclasses.replace(flags, attention=lay.attention)
     remat = lay.remat == "block" if isinstance(flags.remat, bool) else lay.remat
     return dataclasses.replace(flags, mesh=mesh_text(sizes), remat=remat), best
+
+
+def check_compiled_peak(cfg: Any, plan: Plan | None, memory: MemoryReport) -> None:
+    """`--layout auto`, once the step is compiled and before it trains: print the chosen
+    plan's predicted peak beside the compiled step's, and stop if the compiled one does not
+    fit. The planner's peak is an estimate (its temporaries are calibrated on GPU steps, and
+    XLA's buffer assignment differs by backend and model size: see the planner's page), so
+    the figure that decides is XLA's memory analysis of the program about to run.
+
+    **Arguments:**
+
+    - `cfg`: the recipe's config (its `memory_per_device`, GB, or `None` for the devices'
+      own memory, as in [`eqxpar.recipe.auto_layout`][]).
+    - `plan`: the plan `auto_layout` chose, or `None` (`--layout mesh`: nothing is
+      checked or printed).
+    - `memory`: the compiled step's [`eqxpar.inspect.MemoryReport`][].
+
+    **Raises:**
+
+    - `ValueError` (before the first step: nothing is trained or written) when the compiled
+      peak (`MemoryReport.peak`) exceeds the memory per device, naming both peaks and the
+      memory that would do.
+    """
+    if plan is None:
+        return
+    flags: Any = cfg
+    given = None if flags.memory_per_device is None else flags.memory_per_device * GB
+    limit = local_cluster(given).memory_per_device
+    predicted, compiled = int(plan.memory.peak), memory.peak
+    if compiled > limit:
+        raise ValueError(
+            f"--layout auto chose {plan.layout}, whose predicted peak ({predicted:,} bytes per device) fits "
+            f"{limit / GB:g} GB, but its compiled step needs {compiled:,} bytes per device (XLA's memory analysis): "
+            f"give --memory-per-device {_round_up(compiled / GB):g} or more, a smaller --batch-size, or run a layout "
+            f"of the table above with --mesh and --remat."
+        )
+    if is_main_process():
+        print(
+            f"layout {plan.layout}: peak per device predicted {predicted:,} bytes, compiled {compiled:,} "
+            f"({compiled / predicted:.2f} of the prediction; {limit / GB:g} GB available)",
+            flush=True,
+        )
 
 
 def _round_up(x: float) -> float:
