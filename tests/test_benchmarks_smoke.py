@@ -104,3 +104,17 @@ def test_gpu_benchmark_drops_a_flag_this_jax_does_not_know(monkeypatch):
     good = "--xla_gpu_enable_latency_hiding_scheduler=true"
     kept, rejected = _load("gpu").accepted_flags([good, "--xla_gpu_no_such_flag_here=true"], {})
     assert kept == [good] and rejected == ["--xla_gpu_no_such_flag_here=true"]
+
+
+def test_plan_validate_on_a_sample_of_candidates(capsys, tmp_path):
+    """benchmarks/plan_validate.py: a candidate of a small GPT compiles to exactly the
+    predicted collective and state bytes, and its peak ratio is summarised by remat."""
+    out = tmp_path / "plan.json"
+    flags = ["--dim", "32", "--heads", "4", "--layers", "2", "--context", "16", "--batch", "8", "--vocab", "61"]
+    result = _load("plan_validate").main([*flags, "--sample", "0.005", "--out", str(out)])
+    rows = result["rows"]
+    assert len(rows) == 1 and result["exact"] == 1
+    assert all(0 < r["peak_ratio"] == r["compiled_peak"] / r["predicted_peak"] for r in rows)
+    assert sum(s["n"] for s in result["peak_ratio"].values()) == len(rows)
+    assert "collective and state bytes exact" in capsys.readouterr().out
+    assert json.loads(out.read_text())["exact"] == len(rows)

@@ -317,15 +317,19 @@ def price(
     moe: MoEOptions | None = None,
 ) -> Plan | None:
     """The [`eqxpar.plan.Plan`][] for one layout, or None when a divisibility rule rules it out."""
-    gpt = abstract_gpt(
-        config,
-        vocab_size,
-        remat=layout.remat if layout.stage == 1 else "none",  # a pipeline's remat is its own
-        sequence_parallel=layout.sequence_parallel,
-        attention_impl=layout.attention,
-        pad_vocab_to_multiple_of=pad,
-        moe=moe,
-    )
+
+    def gpt_with(remat: str) -> GPT:
+        return abstract_gpt(
+            config,
+            vocab_size,
+            remat=remat,
+            sequence_parallel=layout.sequence_parallel,
+            attention_impl=layout.attention,
+            pad_vocab_to_multiple_of=pad,
+            moe=moe,
+        )
+
+    gpt = gpt_with(layout.remat if layout.stage == 1 else "none")  # a pipeline's remat is its own
     if rule_out(layout, gpt, batch, seq) is not None:
         return None
     mesh = abstract_mesh(layout.sizes)
@@ -337,7 +341,8 @@ def price(
     else:
         specs = layout_specs(gpt, mesh, layout)
         comm = comm_theory(gpt, mesh, layout, specs, batch, seq)
-        mem = memory(gpt, mesh, layout, specs, optimizer, batch, seq, dtype, cluster.fused_attention)
+        plain = None if layout.remat == "none" else gpt_with("none")  # the recomputed block's working set
+        mem = memory(gpt, mesh, layout, specs, optimizer, batch, seq, dtype, cluster.fused_attention, plain)
         flops = flops_per_device(gpt, layout, batch, seq)
     time, _ = step_time(in_dtype(comm, gpt.position_embedding.weight.dtype, dtype), flops, layout, cluster, dtype)
     return Plan(

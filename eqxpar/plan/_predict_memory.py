@@ -53,8 +53,11 @@ def memory(
     seq: int,
     dtype: Any,
     fused_attention: bool = False,
+    plain: GPT | None = None,
 ) -> Memory:
-    """Bytes per device of the layout's step (see [`eqxpar.plan.Memory`][])."""
+    """Bytes per device of the layout's step (see [`eqxpar.plan.Memory`][]). With remat,
+    `plain` is the same GPT without remat: what one block keeps without remat is the working
+    set of the block being recomputed."""
     sizes = layout.sizes
     params = block_bytes(gpt, specs, sizes)
     opt_shapes, opt_specs = optimizer_layout(gpt, optimizer, specs)
@@ -64,14 +67,21 @@ def memory(
         gpt, mesh, batch, seq, batch_axis=layout.batch_axes, context_axis=context_axis, dtype=dtype
     )
     saved, per_block = activations.total, activations.per_block
-    if fused_attention and layout.remat == "none" and layout.attention == "dot_product":
-        # A fused kernel (cuDNN's flash attention) keeps its float32 log-sum-exp per query,
-        # not the probabilities the theory counts for XLA's attention.
-        block = attention_of(gpt)
-        tokens = batch // layout.batch_shards * seq
-        probabilities = sum(t.nbytes for t in activations.terms if t.what == "attention probabilities")
-        per_block += tokens * (block.num_heads // layout.model) * 4 - probabilities
-        saved += gpt.num_layers * (tokens * (block.num_heads // layout.model) * 4 - probabilities)
+    if fused_attention and layout.remat == "none":
+        fused = _fused_attention_change(gpt, layout, activations, batch, seq)
+        per_block += fused
+        saved += gpt.num_layers * fused
+    if layout.remat == "none":
+        working = WORKING_SET_BLOCKS * activations.per_block
+    else:  # the recomputed block: all it keeps without remat, live during its backward pass
+        if plain is None:
+            raise ValueError(f"memory: remat={layout.remat!r} needs plain=, the same GPT without remat.")
+        whole = gpt_activation_theory(
+            plain, mesh, batch, seq, batch_axis=layout.batch_axes, context_axis=context_axis, dtype=dtype
+        )
+        working = whole.per_block + (
+            _fused_attention_change(plain, layout, whole, batch, seq) if fused_attention else 0
+        )
     # With experts, an estimate of their routed path's arrays: kept by every block without
     # remat, else one block's worth while it is recomputed (counted with the temporaries).
     routed = routed_arrays(gpt, layout, batch, seq, dtype)
@@ -86,7 +96,7 @@ def memory(
         weights = _gathered_block_weights(gpt, specs, layout.sizes)
         per_block += weights
         saved += gpt.num_layers * weights
-    temporaries = _temporaries(gpt, layout, specs, params, activations, dtype, batch, seq)
+    temporaries = _temporaries(gpt, layout, specs, params, working, dtype, batch, seq)
     return Memory(params, opt, saved, temporaries + routed - gpt.num_layers * weights, per_block)
 
 
@@ -127,13 +137,27 @@ def _gathered_block_weights(gpt: GPT, specs: Any, sizes: dict[str, int]) -> int:
 # compute dtype when it differs, under FSDP the gathered parameters and their gradient
 # before the reduce-scatter (the model-axis blocks, in the parameters' dtype), one float32
 # buffer of the logits (this device's tokens times its vocabulary block: the
-# cross-entropy's working set) and the working set of the block being computed, taken as
-# WORKING_SET_BLOCKS blocks' saved activations.
+# cross-entropy's working set) and the working set of the block being computed: without
+# remat WORKING_SET_BLOCKS blocks' saved activations, with remat what the recomputed block
+# keeps without remat (one block: measured on the CPU validation toys, where two blocks'
+# worth of block inputs fell short by up to 2.7x for long sequences).
 WORKING_SET_BLOCKS = 2
 
 
+def _fused_attention_change(gpt: GPT, layout: Layout, activations: Any, batch: int, seq: int) -> int:
+    """Per block, what a fused attention kernel (cuDNN's flash attention) keeps beyond the
+    theory's XLA attention: its float32 log-sum-exp per query, not the probabilities (0
+    for context-parallel attention, which is not fused)."""
+    if layout.attention != "dot_product":
+        return 0
+    block = attention_of(gpt)
+    tokens = batch // layout.batch_shards * seq
+    probabilities = sum(t.nbytes for t in activations.terms if t.what == "attention probabilities")
+    return tokens * (block.num_heads // layout.model) * 4 - probabilities
+
+
 def _temporaries(
-    gpt: GPT, layout: Layout, specs: Any, params: int, activations: Any, dtype: Any, batch: int, seq: int
+    gpt: GPT, layout: Layout, specs: Any, params: int, working: int, dtype: Any, batch: int, seq: int
 ) -> int:
     sizes = layout.sizes
     param_dtype = gpt.position_embedding.weight.dtype
@@ -145,5 +169,5 @@ def _temporaries(
         total += 2 * block_bytes(gpt, specs, {**sizes, "fsdp": 1}) - params
     tokens = batch // layout.batch_shards * (seq // layout.context)
     total += tokens * (gpt.padded_vocab_size // layout.model) * 4
-    total += WORKING_SET_BLOCKS * activations.per_block
+    total += working
     return int(total)
