@@ -11,8 +11,8 @@ largest of those ratios. `--out` writes every row as JSON.
 The peak is the planner's estimate (its temporaries calibrated on GPU steps), so its ratio
 is what this measures; the bytes are exact, so anything but "exact" there is a bug.
 
-Run: `python benchmarks/plan_validate.py` (the 4-block, width-256 GPT of the planner's page:
-132 candidates, about 10 minutes on two cores), or a sample:
+Run: `python benchmarks/plan_validate.py` (a GPT of 4 blocks of width 256, 16 sequences of
+256 tokens: 132 candidates, about 10 minutes on two cores), or a sample:
 `python benchmarks/plan_validate.py --dim 128 --layers 2 --context 512 --batch 8 --sample 0.3`.
 """
 
@@ -69,11 +69,9 @@ def main(argv=None) -> dict:
         optimizer="adamw",
         vocab_size=args.vocab,
         top=None,
-        pipeline=True if args.pipeline else False,
+        pipeline=args.pipeline,  # True: only pipelines
         moe=moe,
     )
-    if args.pipeline:
-        plans = [p for p in plans if p.layout.stage > 1]
     chosen = random.Random(0).sample(plans, max(1, round(args.sample * len(plans))))
     print(f"{len(chosen)} of {len(plans)} candidates of {config}, batch {args.batch}, on {args.devices} devices")
 

@@ -62,7 +62,8 @@ def test_layout_auto_plans_cp_attention_and_sp_exactly_and_equals_one_device(tmp
     assert "--layout auto: 5 fastest of the data x context x model layouts on 8 simulated CPU devices (4 GB" in out
     start = out.index("\nlayout ")
     table = out[start : out.index("\n\n", start + 1)]
-    peak = f"peak per device predicted {metrics['predicted_peak_bytes']:,} bytes, compiled {metrics['compiled_peak_bytes']:,}"
+    peak = f"peak per device predicted {metrics['predicted_peak_bytes']:,} bytes"
+    peak += f", compiled {metrics['compiled_peak_bytes']:,}"
     assert f"\nlayout {metrics['layout']}: {peak}" in out  # printed after the compile, before training
     rows = table.strip().splitlines()[2:]  # under the header and its rule
     assert len(rows) == 5 and rows[0].startswith(metrics["layout"] + " ")  # the first plan is the one that ran

@@ -5,6 +5,7 @@ equal the compiled step's; bad input ends before anything compiles, naming the m
 batch that would work."""
 
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -47,7 +48,8 @@ def test_layout_auto_on_8_devices_prints_the_plans_and_equals_one_device(tmp_pat
     assert "--layout auto: 5 fastest of the data x model layouts on 8 simulated CPU devices (4 GB each)" in out
     start = out.index("\nlayout ")
     table = out[start : out.index("\n\n", start + 1)]
-    peak = f"peak per device predicted {metrics['predicted_peak_bytes']:,} bytes, compiled {metrics['compiled_peak_bytes']:,}"
+    peak = f"peak per device predicted {metrics['predicted_peak_bytes']:,} bytes"
+    peak += f", compiled {metrics['compiled_peak_bytes']:,}"
     assert f"\nlayout {metrics['layout']}: {peak}" in out  # printed after the compile, before training
     rows = table.strip().splitlines()[2:]  # under the header and its rule
     assert len(rows) == 5 and "step us" in table and "compute-bound" in rows[0]
@@ -117,14 +119,25 @@ def test_a_plan_whose_compiled_step_does_not_fit_stops_before_training(capsys, t
     assert predicted <= float(least) * 1e9 < compiled
     enough = float(err.split("give --memory-per-device ")[1].split()[0])
     assert compiled <= enough * 1e9 < compiled * 1.01
+    assert f"{compiled / predicted:.2f} times the prediction" in err
+    margin = float(err.split("a smaller --batch-size, --memory-per-device ")[1].split()[0])
+    assert 0.99 * float(least) * predicted / compiled < margin <= float(least) * predicted / compiled
     assert not checkpoints.exists() and not metrics.exists()
 
 
-def test_the_compiled_peak_is_printed_beside_the_prediction(capsys):
-    machine = eqxpar.recipe.local_cluster()
+@functools.cache
+def first_plan_compiled():
+    """The planner's first plan for the recipe's GPT on the 8 simulated devices, compiled."""
     config = eqxpar.models.GPTConfig(context=CONTEXT, dim=DIM, heads=HEADS, layers=LAYERS)
-    (plan,) = eqxpar.plan.plan(config, batch=BATCH, cluster=machine, vocab_size=61, dtype=np.float32, top=1)
+    (plan,) = eqxpar.plan.plan(
+        config, batch=BATCH, cluster=eqxpar.recipe.local_cluster(), vocab_size=61, dtype=np.float32, top=1
+    )
     (check,) = eqxpar.plan.validate([plan])
+    return plan, check
+
+
+def test_the_compiled_peak_is_printed_beside_the_prediction(capsys):
+    plan, check = first_plan_compiled()
     cfg = load_recipe("hybrid_gpt").Config(layout="auto", memory_per_device=None)
     eqxpar.recipe.check_compiled_peak(cfg, plan, check.memory)
     out = capsys.readouterr().out
@@ -132,9 +145,23 @@ def test_the_compiled_peak_is_printed_beside_the_prediction(capsys):
     assert f"compiled {check.memory.peak:,} ({check.memory.peak / plan.memory.peak:.2f} of the prediction" in out
     eqxpar.recipe.check_compiled_peak(cfg, None, check.memory)  # --layout mesh: nothing to check
     assert capsys.readouterr().out == ""
-    with pytest.raises(ValueError, match=f"compiled step needs {check.memory.peak:,} bytes per device"):
+    with pytest.raises(ValueError, match=f"compiled step needs {check.memory.peak:,} bytes per device") as error:
         tight = check.memory.peak / 1e9 * (1 - 1e-6)
         eqxpar.recipe.check_compiled_peak(dataclasses.replace(cfg, memory_per_device=tight), plan, check.memory)
+    assert "if the devices have that much" in str(error.value)  # the limit was the user's
+
+
+def test_no_more_memory_is_advised_than_the_device_has(capsys, monkeypatch):
+    """Without --memory-per-device the limit is the device's own memory: the stop advises
+    planning with a margin or a smaller batch, not a memory the device lacks."""
+    plan, check = first_plan_compiled()
+    machine = eqxpar.recipe.local_cluster()
+    cfg = load_recipe("hybrid_gpt").Config(layout="auto", memory_per_device=None)
+    small = dataclasses.replace(machine, memory_per_device=check.memory.peak - 1)
+    monkeypatch.setattr(eqxpar.recipe._layout, "local_cluster", lambda memory=None: small)
+    with pytest.raises(ValueError, match="times the prediction: give a smaller --batch-size") as error:
+        eqxpar.recipe.check_compiled_peak(cfg, plan, check.memory)
+    assert "if the devices have that much" not in str(error.value)
 
 
 def test_a_batch_no_layout_divides_names_the_batch_that_would(capsys):

@@ -19,7 +19,7 @@ FLAGS = (
     *("--steps", str(STEPS), "--batch-size", str(BATCH), "--context", str(CONTEXT)),
     *("--dim", str(DIM), "--heads", str(HEADS), "--layers", str(LAYERS)),
 )
-MEMORY = "0.00056"  # GB: the plans that keep every tick's activations do not fit; the chosen one compiles to fit
+MEMORY = "0.0006"  # GB: the plans that keep every tick's activations do not fit; the chosen one compiles to 0.000552
 
 
 def reference_losses() -> dict[str, float]:
@@ -36,7 +36,8 @@ def test_layout_auto_picks_a_pipeline_prints_the_plans_and_equals_one_device(tmp
     assert "--layout auto: 5 fastest of the stage x data x model layouts on 8 simulated CPU devices" in out
     start = out.index("\nlayout ")
     table = out[start : out.index("\n\n", start + 1)]
-    peak = f"peak per device predicted {metrics['predicted_peak_bytes']:,} bytes, compiled {metrics['compiled_peak_bytes']:,}"
+    peak = f"peak per device predicted {metrics['predicted_peak_bytes']:,} bytes"
+    peak += f", compiled {metrics['compiled_peak_bytes']:,}"
     assert f"\nlayout {metrics['layout']}: {peak}" in out  # printed after the compile, before training
     rows = table.strip().splitlines()[2:]
     assert len(rows) == 5 and all("bubble" in row and row.startswith("stage=") for row in rows)

@@ -35,6 +35,7 @@ def all_plans(layers: int = SMALL.layers) -> dict[str, eqxpar.plan.Plan]:
         vocab_size=VOCAB,
         pad_vocab_to_multiple_of=PAD,
         top=None,
+        pipeline=False,  # pipelines: tests/test_plan_pipeline.py and test_plan_pipeline_fsdp.py
     )
     return {str(p.layout): p for p in plans}
 

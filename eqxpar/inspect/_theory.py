@@ -2,9 +2,9 @@
 
 [`eqxpar.inspect.data_parallel_theory`][] and [`eqxpar.inspect.fsdp_theory`][] know only
 parameter shapes and specs; a model's own activation traffic (tensor parallelism) lives
-beside the model ([`eqxpar.models.gpt_tensor_parallel_theory`][]) and is built from the
-helpers here ([`eqxpar.inspect.theory_term`][], [`eqxpar.inspect.report_axes`][], and
-`axis_size`, `params_and_specs`, `block_nbytes`).
+beside the model ([`eqxpar.models.gpt_tensor_parallel_theory`][]) and is built from
+[`eqxpar.inspect.theory_term`][] (here) and [`eqxpar.inspect.report_axes`][] (`_format.py`);
+`axis_size`, `params_and_specs` and `block_nbytes` here serve this package's theories.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def theory_term(kind: str, axes: tuple[str, ...], nbytes: int, what: str) -> tup
 
     - `kind`: the collective, one of [`eqxpar.inspect.COLLECTIVE_KINDS`][].
     - `axes`: the mesh axes it runs over, keyed as a report keys them (in mesh order, axes
-        of size 1 left out): pass them through [`eqxpar.inspect.report_axes`][].
+      of size 1 left out): pass them through [`eqxpar.inspect.report_axes`][].
     - `nbytes`: bytes per device per step, by the module's bytes convention.
     - `what`: what the term counts, in words.
 

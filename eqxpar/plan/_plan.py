@@ -341,8 +341,8 @@ def price(
     else:
         specs = layout_specs(gpt, mesh, layout)
         comm = comm_theory(gpt, mesh, layout, specs, batch, seq)
-        plain = None if layout.remat == "none" else gpt_with("none")  # the recomputed block's working set
-        mem = memory(gpt, mesh, layout, specs, optimizer, batch, seq, dtype, cluster.fused_attention, plain)
+        without_remat = None if layout.remat == "none" else gpt_with("none")  # the recomputed block's working set
+        mem = memory(gpt, mesh, layout, specs, optimizer, batch, seq, dtype, cluster.fused_attention, without_remat)
         flops = flops_per_device(gpt, layout, batch, seq)
     time, _ = step_time(in_dtype(comm, gpt.position_embedding.weight.dtype, dtype), flops, layout, cluster, dtype)
     return Plan(

@@ -191,7 +191,7 @@ def auto_layout(
             f"--layout auto: no {' x '.join(axes)} layout of this GPT with --batch-size {flags.batch_size} fits "
             f"--memory-per-device {machine.memory_per_device / GB:g} (GB) on {machine.name}: the smallest predicted "
             f"peak is {least.memory.peak:,} bytes ({least.layout}). Give --memory-per-device "
-            f"{_round_up(least.memory.peak / GB):g} or more, or a smaller --batch-size."
+            f"{_three_digits(least.memory.peak / GB):g} or more, or a smaller --batch-size."
         )
     plans = [p for p in plans if p.fits][:top]
     if is_main_process():
@@ -242,11 +242,19 @@ def check_compiled_peak(cfg: Any, plan: Plan | None, memory: MemoryReport) -> No
     limit = local_cluster(given).memory_per_device
     predicted, compiled = int(plan.memory.peak), memory.peak
     if compiled > limit:
+        # More memory is only advice where the user set the limit: by default it is the device's own.
+        more = (
+            f"--memory-per-device {_three_digits(compiled / GB):g} if the devices have that much, "
+            if flags.memory_per_device is not None
+            else ""
+        )
+        margin = _three_digits(limit * predicted / compiled / GB, up=False)
         raise ValueError(
             f"--layout auto chose {plan.layout}, whose predicted peak ({predicted:,} bytes per device) fits "
-            f"{limit / GB:g} GB, but its compiled step needs {compiled:,} bytes per device (XLA's memory analysis): "
-            f"give --memory-per-device {_round_up(compiled / GB):g} or more, a smaller --batch-size, or run a layout "
-            f"of the table above with --mesh and --remat."
+            f"{limit / GB:g} GB, but its compiled step needs {compiled:,} bytes per device (XLA's memory analysis), "
+            f"{compiled / predicted:.2f} times the prediction: give {more}a smaller --batch-size, --memory-per-device "
+            f"{margin:g} to plan with that margin (if a layout is predicted to fit it), or drop --layout auto and "
+            f"run a layout of the table above with --mesh and its other choices."
         )
     if is_main_process():
         print(
@@ -256,10 +264,11 @@ def check_compiled_peak(cfg: Any, plan: Plan | None, memory: MemoryReport) -> No
         )
 
 
-def _round_up(x: float) -> float:
-    """`x` rounded up to 3 significant digits (a memory that is enough, printed short)."""
+def _three_digits(x: float, up: bool = True) -> float:
+    """`x` to 3 significant digits, rounded up (a memory that is enough, printed short) or
+    down (one that stays within `x`)."""
     step = 10.0 ** (math.floor(math.log10(x)) - 2)
-    return math.ceil(x / step) * step
+    return (math.ceil(x / step) if up else math.floor(x / step)) * step
 
 
 def layout_metrics(cfg: Any, plan: Plan | None, comm: CommReport, memory: MemoryReport) -> dict[str, Any]:
