@@ -218,10 +218,15 @@ def _ring_bwd(axis_name, causal, layout, residuals, d_out):
         if visible is not None:
             p = jnp.where(visible, p, 0.0)
         ds = p * (jnp.einsum("...qhd,...khd->...hqk", d_o, v.astype(jnp.float32)) - delta_r[..., None])
-        dq = dq.at[..., rows, :, :].add(scale * jnp.einsum("...hqk,...khd->...qhd", ds, k.astype(jnp.float32)))
-        dk = dk.at[..., keys, :, :].add(scale * jnp.einsum("...hqk,...qhd->...khd", ds, q_rows.astype(jnp.float32)))
-        dv = dv.at[..., keys, :, :].add(jnp.einsum("...hqk,...qhd->...khd", p, d_o))
+        dq = add_rows(dq, rows, scale * jnp.einsum("...hqk,...khd->...qhd", ds, k.astype(jnp.float32)))
+        dk = add_rows(dk, keys, scale * jnp.einsum("...hqk,...qhd->...khd", ds, q_rows.astype(jnp.float32)))
+        dv = add_rows(dv, keys, jnp.einsum("...hqk,...qhd->...khd", p, d_o))
         return dq, dk, dv
+
+    def add_rows(total, rows, update):
+        # A whole block is a plain add: jaxlib 0.11.2's CPU compiler crashes (segfault) on
+        # a scatter-add over every row inside shard_map.
+        return total + update if rows == slice(None) else total.at[..., rows, :, :].add(update)
 
     every, first, second = slice(None), slice(None, half), slice(half, None)
     for step in range(size):
