@@ -61,7 +61,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._compat import distributed_client
-from ._failfast_calls import bounded, flush
+from ._failfast_calls import bounded, flush, start_spare
 from ._failfast_finish import wait_for_all_finished
 from ._failfast_interrupt import start_interrupt_watch
 
@@ -362,6 +362,7 @@ def install_fail_fast(
     """
     if _installed:
         return
+    start_spare()  # the at-exit calls' thread: at shutdown Python 3.12+ starts none
     state = _FailFast(client, process_id, num_processes, address, poll_s, lost_after_s, finish_timeout_s)
     state.previous_excepthook = sys.excepthook
     state.previous_thread_excepthook = threading.excepthook

@@ -256,7 +256,9 @@ def test_reports_take_the_same_inputs():
     assert dict(only_compiled.mesh.shape) == {"data": 8}
     memory = [memory_report(step, w, None, x), memory_report(jitted, w, None, x), memory_report(compiled, w, None, x)]
     assert all(m.parameters == w.nbytes and m.other_inputs * 8 == x.nbytes for m in memory)
-    assert len({m.temporaries for m in memory}) == 1
+    # The jit and its compiled program are one program; the plain function goes through
+    # eqx.filter_jit, a program of its own (whose scratch XLA of JAX 0.11 sizes otherwise).
+    assert memory[1].temporaries == memory[2].temporaries > 0
     with pytest.raises(ValueError, match="pass the program alone"):
         communication_report(lowered, w)
     with pytest.raises(ValueError, match="expected a function"):
