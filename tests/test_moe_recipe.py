@@ -66,7 +66,8 @@ def test_moe_recipe_equals_a_one_device_reference(tmp_path):
     losses, auxes, aux_loss = one_device_reference()
     # Float sums in another order (psums over 2 and 4 devices, the experts' hidden blocks): a few ulps.
     np.testing.assert_allclose(metrics["losses"], losses, rtol=1e-5)
-    assert metrics["losses"][-1] < metrics["losses"][0]
+    # No "the loss fell" check: three steps on three different batches move it by noise
+    # (4.565, 4.475, 4.555 with JAX 0.10; 4.559, 4.680, 4.762 with 0.11's random streams).
     assert metrics["tokens_per_expert"] == [np.asarray(jnp.sum(a.tokens_per_expert, axis=0)).tolist() for a in auxes]
     assert metrics["dropped_tokens"] == [int(jnp.sum(a.dropped)) for a in auxes]
     assert sum(metrics["dropped_tokens"]) > 0  # capacity 1.0: some sequences overflow an expert
