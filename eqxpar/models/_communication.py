@@ -106,17 +106,29 @@ def gpt_tensor_parallel_theory(
         return _sequence_parallel_terms(
             model, blocks_theory, axes, blocks, stream, tokens, seq_len, dim, itemsize, remat
         )
+    return megatron_all_reduces(
+        axes, blocks, stream, tokens * itemsize, remat, unit="blocks", outputs="(attention, MLP)"
+    )
+
+
+def megatron_all_reduces(
+    axes: tuple[str, ...], count: int, stream: int, per_token: int, remat: bool, *, unit: str, outputs: str
+) -> CommTheory:
+    """The all-reduces over the model axis of a transformer split the Megatron way without
+    sequence parallelism: two per layer each way (`count` layers, called `unit`; the forward
+    pass's are of the `outputs` named), the vocabulary-parallel embedding lookup and head,
+    the cross-entropy's three per-token statistics (`per_token` bytes each), and under remat
+    the attention outputs again. `stream`: the bytes of one residual-stream activation on
+    this device."""
     return CommTheory(
-        theory_term("all-reduce", axes, 2 * blocks * stream, f"{blocks} blocks x (attention, MLP) outputs, forward")
+        theory_term("all-reduce", axes, 2 * count * stream, f"{count} {unit} x {outputs} outputs, forward")
         + theory_term(
-            "all-reduce", axes, 2 * blocks * stream, f"{blocks} blocks x (attention, MLP) input gradients, backward"
+            "all-reduce", axes, 2 * count * stream, f"{count} {unit} x (attention, MLP) input gradients, backward"
         )
         + theory_term("all-reduce", axes, stream, "token embedding lookup, forward")
         + theory_term("all-reduce", axes, stream, "head input gradient, backward")
-        + theory_term(
-            "all-reduce", axes, 3 * tokens * itemsize, "cross-entropy: max, sum of exponentials, target logit"
-        )
-        + (theory_term("all-reduce", axes, blocks * stream, "attention outputs recomputed (remat)") if remat else ())
+        + theory_term("all-reduce", axes, 3 * per_token, "cross-entropy: max, sum of exponentials, target logit")
+        + (theory_term("all-reduce", axes, count * stream, "attention outputs recomputed (remat)") if remat else ())
     )
 
 

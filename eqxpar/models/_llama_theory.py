@@ -9,7 +9,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from .._specs import AxisNames, check_axes
-from ..inspect import CommTheory, report_axes, theory_term
+from ..inspect import CommTheory, report_axes
+from ._communication import megatron_all_reduces
 from ._llama import Llama
 
 __all__ = ["llama_tensor_parallel_theory"]
@@ -85,15 +86,6 @@ def llama_tensor_parallel_theory(
     tokens = batch_size // replicas * seq_len
     stream = tokens * model.config.dim * itemsize
     layers = model.num_layers
-    return CommTheory(
-        theory_term("all-reduce", axes, 2 * layers * stream, f"{layers} layers x (o_proj, down_proj) outputs, forward")
-        + theory_term(
-            "all-reduce", axes, 2 * layers * stream, f"{layers} layers x (attention, MLP) input gradients, backward"
-        )
-        + theory_term("all-reduce", axes, stream, "token embedding lookup, forward")
-        + theory_term("all-reduce", axes, stream, "head input gradient, backward")
-        + theory_term(
-            "all-reduce", axes, 3 * tokens * itemsize, "cross-entropy: max, sum of exponentials, target logit"
-        )
-        + (theory_term("all-reduce", axes, layers * stream, "attention outputs recomputed (remat)") if remat else ())
+    return megatron_all_reduces(
+        axes, layers, stream, tokens * itemsize, remat, unit="layers", outputs="(o_proj, down_proj)"
     )
