@@ -106,6 +106,7 @@ def test_gpu_benchmark_drops_a_flag_this_jax_does_not_know(monkeypatch):
     assert kept == [good] and rejected == ["--xla_gpu_no_such_flag_here=true"]
 
 
+@pytest.mark.thorough  # planning and one compile (~7 s); validate itself is tested in test_plan_validate.py
 def test_plan_validate_on_a_sample_of_candidates(capsys, tmp_path):
     """benchmarks/plan_validate.py: a candidate of a small GPT compiles to exactly the
     predicted collective and state bytes, and its peak ratio is summarised by remat."""
