@@ -24,7 +24,7 @@ from ..models import GPT, gpt_activation_theory, gpt_stages
 from ..nn import partition_specs
 from ..train import fsdp_specs, pipeline_specs
 from ._candidates import Layout, used_axes
-from ._predict import block_bytes, optimizer_layout
+from ._predict import block_bytes, leaf_blocks, optimizer_layout
 from ._predict_memory import WORKING_SET_BLOCKS, Memory
 from ._predict_time import flops_per_token
 
@@ -176,20 +176,10 @@ def _gradient_sums(tree: Any, specs: Any, sizes: dict[str, int], extra: tuple[st
     the batch axes a leaf's spec does not split (those it splits over, `fsdp`, its gather's
     transpose already scattered), and `extra`."""
     out: dict[tuple, int] = {}
-    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    for leaf, spec in zip(jax.tree.leaves(tree), spec_leaves, strict=True):
-        if not hasattr(leaf, "dtype") or not np.issubdtype(leaf.dtype, np.inexact):
-            continue
-        split = spec_axes(spec or PartitionSpec())
+    for split, n in leaf_blocks(tree, specs, sizes):
         key = used_axes((*(a for a in BATCH_AXES if a not in split), *extra), sizes)
-        if not key:
-            continue
-        entries = tuple(spec or PartitionSpec()) + (None,) * (len(leaf.shape) - len(spec or PartitionSpec()))
-        n = np.dtype(leaf.dtype).itemsize
-        for size, entry in zip(leaf.shape, entries):
-            axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
-            n *= size // int(np.prod([sizes[a] for a in axes]))
-        out[key] = out.get(key, 0) + n
+        if key:
+            out[key] = out.get(key, 0) + n
     return out
 
 

@@ -75,9 +75,21 @@ def block_bytes(
             continue
         if over is not None and not any(over in axes for axes in dims):
             continue
-        blocks = [size // math.prod(sizes[a] for a in axes) for size, axes in zip(shape, dims)]
-        total += math.prod(blocks) * (np.dtype(dtype).itemsize if dtype is not None else itemsize)
+        total += _block_elements(shape, dims, sizes) * (np.dtype(dtype).itemsize if dtype is not None else itemsize)
     return total
+
+
+def leaf_blocks(tree: Any, specs: Any, sizes: dict[str, int]) -> list[tuple[frozenset[str], int]]:
+    """For each floating-point leaf of `tree` laid out by `specs`: the mesh axes that split
+    it, and the bytes of one device's block."""
+    return [
+        (frozenset(a for axes in dims for a in axes), _block_elements(shape, dims, sizes) * itemsize)
+        for shape, itemsize, dims in _leaf_table(tree, specs, True)
+    ]
+
+
+def _block_elements(shape: tuple[int, ...], dims: list[tuple[str, ...]], sizes: dict[str, int]) -> int:
+    return math.prod(size // math.prod(sizes[a] for a in axes) for size, axes in zip(shape, dims))
 
 
 _LEAVES: dict[tuple[int, int, bool], Any] = {}
