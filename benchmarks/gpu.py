@@ -229,7 +229,7 @@ def _profile(step, args: tuple, steps: int) -> dict:
             jax.block_until_ready(metrics["loss"])
         summary = prof.summarize(prof.trace_events(trace_dir), module, instructions, steps)
     keep = ("total_ms", "span_ms", "kinds", "layers", "least_ms", "unmatched", "events")
-    return dict({k: summary[k] for k in keep}, ops=summary["ops"][:25])
+    return dict({k: summary[k] for k in keep}, ops=summary["ops"][:80])
 
 
 def main(argv=None) -> dict:

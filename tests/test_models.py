@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 import eqxpar
 from eqxpar import nn
 from eqxpar.models import GPT, generate, next_token_loss
+from eqxpar.models._gpt import embed_tokens
 from eqxpar.testing import assert_trees_close, mesh_sizes
 
 VOCAB, CONTEXT = 16, 8
@@ -115,3 +116,31 @@ def test_recipe_same_losses_for_model_1_and_8_and_loss_goes_down(tmp_path):
     # head's input gradient, and the loss's pmax and psum.
     assert split["all_reduces_per_step"] == 4 * 1 + 4
     assert len(split["sample"]) == len("def ") + 8
+
+
+@pytest.mark.parametrize("rows", [None, (5, 0, 3, 1)])
+def test_position_embedding_gradient_sums_each_position_over_the_batch(rows):
+    """The residual stream reads the position embedding by a gather (its backward a
+    scatter-add, so that no reduction over the batch sets the stream's layout on a GPU):
+    row p of the gradient is the sum over sequences of the stream's gradient where the
+    position is p, and rows no sequence reads get zero. `rows`: a split sequence's positions."""
+    model = _gpt(0, 0.0)
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (3, 4)).astype(np.int32)
+    upstream = np.random.default_rng(1).standard_normal((3, 4, 16)).astype(np.float32)
+    mesh = eqxpar.make_mesh(model=1)
+    specs = nn.partition_specs(model, mesh)
+    positions = None if rows is None else np.asarray(rows)
+
+    def weighted_sum(model, tokens, upstream):
+        x = embed_tokens(model, tokens, key=None, inference=True, rows=positions, length=None if rows is None else CONTEXT)
+        return (x * upstream).sum()
+
+    grads = eqx.filter_jit(
+        eqxpar.filter_shard_map(
+            eqx.filter_grad(weighted_sum), mesh=mesh, in_specs=(specs, P(), P()), out_specs=specs
+        )
+    )(model, tokens, upstream)
+    want = np.zeros((CONTEXT, 16), np.float32)
+    for i, p in enumerate(range(4) if rows is None else rows):
+        want[p] += upstream[:, i].sum(0)
+    np.testing.assert_allclose(grads.position_embedding.weight, want, rtol=1e-6, atol=1e-6)

@@ -362,8 +362,12 @@ def embed_tokens(model: GPT, tokens, *, key, inference, rows=None, length=None):
         )
     sequence_dim = -1 if model.sequence_parallel else None
     x = model.token_embedding(tokens, sequence_dim=sequence_dim)
-    positions = model.position_embedding.weight[:length]  # the rows a sequence reads
-    x = x + jnp.broadcast_to(positions if rows is None else positions[rows], x.shape)
+    # Position rows read by a gather, not broadcast over the batch: the broadcast's backward is
+    # a sum over the batch, and XLA:GPU then laid the whole residual stream out batch-minor
+    # ((seq, dim, batch)), transposing it around every matmul; the gather's backward is a
+    # scatter-add (docs/benchmarks.md, "Position rows by a gather": 124m 0.97x the step time).
+    ids = jnp.arange(length) if rows is None else rows  # the positions of x's rows
+    x = x + jnp.take(model.position_embedding.weight, jnp.broadcast_to(ids, x.shape[:-1]), axis=0)
     # The same key on every device; a split sequence takes its rows of the whole mask.
     return sequence_dropout(model.dropout, x, rows, length, key=key, inference=inference)
 
