@@ -130,15 +130,14 @@ def test_position_embedding_gradient_sums_each_position_over_the_batch(rows):
     mesh = eqxpar.make_mesh(model=1)
     specs = nn.partition_specs(model, mesh)
     positions = None if rows is None else np.asarray(rows)
+    length = None if rows is None else CONTEXT
 
     def weighted_sum(model, tokens, upstream):
-        x = embed_tokens(model, tokens, key=None, inference=True, rows=positions, length=None if rows is None else CONTEXT)
+        x = embed_tokens(model, tokens, key=None, inference=True, rows=positions, length=length)
         return (x * upstream).sum()
 
     grads = eqx.filter_jit(
-        eqxpar.filter_shard_map(
-            eqx.filter_grad(weighted_sum), mesh=mesh, in_specs=(specs, P(), P()), out_specs=specs
-        )
+        eqxpar.filter_shard_map(eqx.filter_grad(weighted_sum), mesh=mesh, in_specs=(specs, P(), P()), out_specs=specs)
     )(model, tokens, upstream)
     want = np.zeros((CONTEXT, 16), np.float32)
     for i, p in enumerate(range(4) if rows is None else rows):
