@@ -257,29 +257,55 @@ def test_plans_big_configs_from_shapes_alone():
     assert plans[0].memory.parameters < 8e9 * 4  # split: an 8B model's float32 weights do not fit one GPU
 
 
-def test_prediction_beside_the_h200_measurements():
-    """The single-device candidates of the H200 benchmark (bf16 compute, float32 master
-    weights and AdamW state, scanned layers, cuDNN attention): the predicted peak is within
-    7% of the measured one for all six, and the preset's efficiency is the 1.3b rows'."""
-    data = json.loads((ROOT / "docs/data/benchmarks/gpu_2026-11-26_h200.json").read_text())
-    rows = data["runs"]["flags without triton_gemm=false (shipped)"]["rows"]
-    one = cluster("h200", devices_per_host=1, efficiency=1.0)
-    efficiencies = {}
+def _h200_rows(name: str, runs) -> list[dict]:
+    data = json.loads((ROOT / "docs/data/benchmarks" / name).read_text())
+    return [r for run in runs(data["runs"]) for r in run["rows"]]
+
+
+def _single_device_plan(row: dict):
+    (p,) = plan(
+        gpt_config(row["config"]),
+        batch=row["per_device"],
+        cluster=cluster("h200", devices_per_host=1, efficiency=1.0),
+        remats=(row["remat"],),
+        top=None,
+        include_infeasible=True,
+    )
+    return p
+
+
+def test_predicted_peak_beside_the_h200_measurements():
+    """The single-device candidates measured on an H200 with the code as it is (bf16
+    compute, float32 master weights and AdamW state, cuDNN attention, the loss's one-pass
+    backward): 124m without remat at 32, 64 and 128 sequences, 1.3b with save_matmuls at
+    16. The predicted peak is within 5% of the measured one (1.034 to 1.041)."""
+    rows = _h200_rows(
+        "gpu_2026-11-26_h200_session3.json",
+        lambda runs: [r for r in runs if r["label"].startswith(("base", "gather"))],
+    )
+    assert {(r["config"], r["remat"], r["per_device"]) for r in rows} == {
+        ("124m", "none", 32),
+        ("124m", "none", 64),
+        ("124m", "none", 128),
+        ("1.3b", "save_matmuls", 16),
+    }
     for r in rows:
-        (p,) = plan(
-            gpt_config(r["config"]),
-            batch=r["per_device"],
-            cluster=one,
-            remats=(r["remat"],),
-            top=None,
-            include_infeasible=True,
-        )
+        p = _single_device_plan(r)
         measured_peak = r["peak_memory_gb"] * 2**30  # benchmarks/gpu.py reports GiB
-        assert 0.97 < p.memory.peak / measured_peak < 1.07, (r, p.memory)
-        efficiencies[(r["config"], r["remat"], r["per_device"])] = p.time.compute / (r["step_ms"] / 1e3)
-    large = sorted(e for (config, *_), e in efficiencies.items() if config == "1.3b")
+        assert 1.0 < p.memory.peak / measured_peak < 1.05, (r, p.memory)
+
+
+def test_efficiency_beside_the_h200_measurements():
+    """The preset's efficiency is the median of the first session's three 1.3b rows (scanned
+    layers), and every measured row's compute share lies in (0.3, 0.7); the 1.3b rows of the
+    third session (blocks in a Python loop) reach 0.57-0.58, above the preset."""
+    first = _h200_rows("gpu_2026-11-26_h200.json", lambda runs: [runs["flags without triton_gemm=false (shipped)"]])
+    third = _h200_rows("gpu_2026-11-26_h200_session3.json", lambda runs: runs)
+    efficiency = {id(r): _single_device_plan(r).time.compute / (r["step_ms"] / 1e3) for r in first + third}
+    large = sorted(efficiency[id(r)] for r in first if r["config"] == "1.3b")
     assert large[1] == pytest.approx(eqxpar.plan.cluster("h200").efficiency, abs=0.01)
-    assert all(0.3 < e < 0.7 for e in efficiencies.values())
+    assert all(0.3 < e < 0.7 for e in efficiency.values())
+    assert all(efficiency[id(r)] > large[1] for r in third if r["config"] == "1.3b")
 
 
 def test_plans_only_over_the_axes_asked_for():

@@ -140,12 +140,13 @@ def _gathered_block_weights(gpt: GPT, specs: Any, sizes: dict[str, int]) -> int:
 # The estimate of XLA's temporaries, calibrated on measured steps (docs/concepts/planner.md):
 # the gradients (one copy of this device's parameter blocks), the parameters cast to the
 # compute dtype when it differs, under FSDP the gathered parameters and their gradient
-# before the reduce-scatter (the model-axis blocks, in the parameters' dtype), one float32
-# buffer of the logits (this device's tokens times its vocabulary block: the
-# cross-entropy's working set) and the working set of the block being computed: without
-# remat WORKING_SET_BLOCKS blocks' saved activations, with remat what the recomputed block
-# keeps without remat (one block: measured on the CPU validation toys, where two blocks'
-# worth of block inputs fell short by up to 2.7x for long sequences).
+# before the reduce-scatter (the model-axis blocks, in the parameters' dtype), the logits'
+# gradient in the compute dtype (this device's tokens times its vocabulary block: the
+# cross-entropy's one-pass backward writes it once, in the logits' dtype) and the working
+# set of the block being computed: without remat WORKING_SET_BLOCKS blocks' saved
+# activations, with remat what the recomputed block keeps without remat (one block:
+# measured on the CPU validation toys, where two blocks' worth of block inputs fell short
+# by up to 2.7x for long sequences).
 WORKING_SET_BLOCKS = 2
 
 
@@ -173,6 +174,6 @@ def _temporaries(
         # The gathered parameters, and their gradient whole before its reduce-scatter.
         total += 2 * block_bytes(gpt, specs, {**sizes, "fsdp": 1}) - params
     tokens = batch // layout.batch_shards * (seq // layout.context)
-    total += tokens * (gpt.padded_vocab_size // layout.model) * 4
+    total += tokens * (gpt.padded_vocab_size // layout.model) * np.dtype(dtype).itemsize
     total += working
     return int(total)
