@@ -5,9 +5,14 @@ profile's many to `HYPOTHESIS_PROFILE=thorough`."""
 import os
 
 import pytest
-from hypothesis import settings
+from hypothesis import Phase, settings
 
 THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
+
+
+PINS_ONLY = settings() if THOROUGH else settings(phases=(Phase.explicit,))
+"""A `hypothesis.settings` decorator: only the `@example` pins by default, the profile's
+draws too under thorough."""
 
 
 def examples(default: int):

@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _budget import THOROUGH
-from hypothesis import Phase, example, given, settings
+from _budget import PINS_ONLY
+from hypothesis import example, given
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 from test_llama import keeping_gradients, sgd_momentum
@@ -66,8 +66,6 @@ def token_batches(seed: int) -> list[jnp.ndarray]:
 
 
 OPTIMIZER = keeping_gradients(sgd_momentum())
-# The default profile: the pinned examples only (each compiles a step); draws under thorough.
-PINS_ONLY = settings() if THOROUGH else settings(phases=(Phase.explicit,))
 
 
 def loss_fn(model, batch, key):

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from _budget import THOROUGH
-from hypothesis import Phase, example, given, settings
+from _budget import PINS_ONLY
+from hypothesis import example, given
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
@@ -27,8 +27,6 @@ from eqxpar.train import hybrid_step
 
 VOCAB, SEQ, DIM, BATCH = 32, 8, 16, 8
 # (data, expert, model) over at most 8 devices: the batch of 8 over data x expert.
-# The default run takes the pinned cases (each traces two steps; nothing compiles).
-PINS_ONLY = settings() if THOROUGH else settings(phases=(Phase.explicit,))
 MESHES = [(1, 1, 1), (2, 2, 2), (1, 4, 2), (2, 4, 1), (8, 1, 1), (4, 2, 1)]
 
 

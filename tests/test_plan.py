@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _budget import THOROUGH
-from hypothesis import Phase, example, given, settings
+from _budget import PINS_ONLY
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import eqxpar.plan
@@ -23,12 +23,6 @@ from eqxpar.plan import Cluster, cluster, plan
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMALL = GPTConfig(context=16, dim=32, heads=8, layers=2)
 VOCAB, PAD = 61, 8
-
-
-# The planner's properties plan the small GPT many times per example (more so with
-# pipelines and FSDP inside them): the default run takes their pinned examples, the
-# thorough profile draws as well.
-PINS_ONLY = settings() if THOROUGH else settings(phases=(Phase.explicit,))
 
 
 def cpu_cluster(devices=8, hosts=1, memory=1e9, **changes):
