@@ -174,6 +174,11 @@ def run_candidate(spec: dict) -> dict:
     batch = eqxpar.shard(tokens, mesh, P("data"))
     hlo = step.lower(model, opt_state, batch).as_text()
     fused = "cudnn" in hlo.lower() and "fmha" in hlo.lower()
+    transposes = None
+    if spec.get("hlo_path"):  # the compiled (optimised) program, for reading its fusions and layouts
+        optimised = step.lower(model, opt_state, batch).compile().as_text()
+        Path(spec["hlo_path"]).write_text(optimised)
+        transposes = optimised.count("calls=%fused_transpose")
     t = time.perf_counter()
     model, opt_state, metrics = step(model, opt_state, batch)
     first_loss = float(metrics["loss"])  # waits: compile + first step
@@ -198,11 +203,13 @@ def run_candidate(spec: dict) -> dict:
         mfu=mfu(tokens_per_s, flops_per_token, n, device, jnp.bfloat16),
         peak_memory_gb=stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None,
         fused_attention=fused,
+        transpose_fusions=transposes,
         compile_s=compile_s,
         first_loss=first_loss,
         last_loss=float(metrics["loss"]),
         devices=n,
         device=device.device_kind,
+        eqxpar_path=str(Path(eqxpar.__file__).parent),
         platform=device.platform,
         profile=profile,
     )
@@ -237,17 +244,11 @@ def main(argv=None) -> dict:
     if args.one:  # a child: one candidate, its result as the last line of output
         print(json.dumps(run_candidate(json.loads(args.one))))
         return {}
-    env = dict(os.environ)
-    env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = env.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
-    flags, rejected = ([], []) if args.no_xla_flags else accepted_flags(GPU_XLA_FLAGS, env)
-    if args.profile:
-        # A GPU runs a step's kernels as CUDA graphs (XLA's command buffers), which a trace
-        # records as one event per graph: turned off, every kernel is its own event (the step
-        # times of a profiled run are then those without command buffers).
-        flags = [*flags, "--xla_gpu_enable_command_buffer="]
-    env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *flags]).strip()
-    if rejected:
-        print(f"this JAX rejects {rejected}: running without them", flush=True)
+    # A GPU runs a step's kernels as CUDA graphs (XLA's command buffers), which a trace
+    # records as one event per graph: turned off for --profile, every kernel is its own event
+    # (the step times of a profiled run are then those without command buffers).
+    extra = ["--xla_gpu_enable_command_buffer="] if args.profile else []
+    env, flags, rejected = child_environment(args.no_xla_flags, extra)
     start = time.perf_counter()
     rows = []
     for name in args.configs:
@@ -284,12 +285,29 @@ def main(argv=None) -> dict:
         seconds=time.perf_counter() - start,
         rows=rows,
     )
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "gpu_bench.json").write_text(json.dumps(result, indent=1))
-        (args.out / "gpu_bench.md").write_text(markdown(result))
-    print(markdown(result))
+    write_results(result, args.out, "gpu_bench", markdown(result))
     return result
+
+
+def child_environment(no_xla_flags: bool, extra: list[str]) -> tuple[dict, list[str], list[str]]:
+    """The candidates' environment (XLA_FLAGS plus the accepted GPU_XLA_FLAGS and `extra`), the flags, the rejected."""
+    env = dict(os.environ)
+    env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = env.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+    flags, rejected = ([], []) if no_xla_flags else accepted_flags(GPU_XLA_FLAGS, env)
+    flags = [*flags, *extra]
+    env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *flags]).strip()
+    if rejected:
+        print(f"this JAX rejects {rejected}: running without them", flush=True)
+    return env, flags, rejected
+
+
+def write_results(result: dict, out: Path | None, stem: str, table: str) -> None:
+    """Print the Markdown `table`; with `out`, write `<stem>.json` and `<stem>.md` there."""
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+        (out / f"{stem}.md").write_text(table)
+    print(table)
 
 
 def _child(spec: dict, env: dict, args, start: float) -> dict:

@@ -5,6 +5,7 @@ the tables come out."""
 import importlib.util
 import json
 import pathlib
+import shutil
 
 import pytest
 
@@ -120,3 +121,47 @@ def test_plan_validate_on_a_sample_of_candidates(capsys, tmp_path):
     }
     assert "collective and state bytes exact" in capsys.readouterr().out
     assert json.loads(out.read_text())["exact"] == len(rows)
+
+
+def test_gpu_ab_alternates_the_sides_and_takes_the_median_of_the_pairs_ratios():
+    ab = _load("gpu_ab")
+    assert [ab.order(i) for i in range(3)] == [("A", "B"), ("B", "A"), ("A", "B")]
+
+    def row(ms, loss):
+        return {"status": "ok", "step_ms": ms, "last_loss": loss}
+
+    pairs = [
+        {"A": row(100.0, 6.0), "B": row(97.0, 6.5)},
+        {"A": row(110.0, 6.1), "B": row(99.0, 6.6)},
+        {"A": row(100.0, 6.2), "B": {"status": "OOM"}},  # an incomplete pair counts for neither side
+    ]
+    s = ab.summary(pairs)
+    assert s["ratios"] == [97.0 / 100.0, 99.0 / 110.0]
+    assert s["median_ratio"] == pytest.approx((0.97 + 0.9) / 2)
+    assert (s["a_ms"], s["b_ms"]) == (105.0, 98.0) and s["losses"] == [(6.0, 6.5), (6.1, 6.6)]
+    assert ab.summary([pairs[2]])["median_ratio"] is None
+
+
+def test_gpu_ab_needs_another_tree_with_eqxpar_in_it(tmp_path, capsys):
+    ab = _load("gpu_ab")
+    for baseline, said in ((tmp_path, "no eqxpar/__init__.py there"), (ROOT, "an A/B needs another tree")):
+        with pytest.raises(SystemExit) as exit_info:
+            ab.parse(["--baseline", str(baseline)])
+        assert exit_info.value.code == 2 and said in capsys.readouterr().err
+
+
+@pytest.mark.thorough  # two processes that each compile a step (~16 s)
+def test_gpu_ab_quick_on_cpu_runs_each_tree_once(tmp_path):
+    """The same code on both sides: the pair's losses are equal bit for bit, each side
+    imported its own tree, and both compiled programs were written."""
+    shutil.copytree(ROOT / "eqxpar", tmp_path / "base" / "eqxpar")
+    argv = ["--baseline", str(tmp_path / "base"), "--candidates", "quick:none:4", "--rounds", "1", "--steps", "2"]
+    result = _load("gpu_ab").main([*argv, "--pairs", "1", "--hlo", str(tmp_path / "hlo"), "--out", str(tmp_path)])
+    (c,) = result["candidates"]
+    (pair,) = c["pairs"]
+    assert pair["A"]["eqxpar_path"] == str((tmp_path / "base" / "eqxpar").resolve())
+    assert pair["B"]["eqxpar_path"] == str(ROOT / "eqxpar")
+    assert len(c["ratios"]) == 1 and c["ratios"][0] > 0 and c["losses"][0][0] == c["losses"][0][1]
+    written = sorted(p.name for p in (tmp_path / "hlo").iterdir())
+    assert written == ["quick_none_4_A0.hlo.txt", "quick_none_4_B0.hlo.txt"]
+    assert "| quick:none:4 |" in (tmp_path / "gpu_ab.md").read_text()
