@@ -182,6 +182,9 @@ class Cluster:
 # H200, measured on 2026-11-26 (docs/data/benchmarks/gpu_2026-11-26_h200.json): the 1.3b
 # GPT 0.505 (remat none), 0.543 (save_matmuls), 0.635 (block); the 124m 0.354-0.381 (its
 # matmuls are small). The presets take the 1.3b median: plans are for models of 1B and up.
+# Later code (blocks in a Python loop, the loss's one-pass backward, the position gather;
+# gpu_2026-11-26_h200_session3.json) measures 0.567-0.578 for the 1.3b with save_matmuls and
+# 0.41-0.43 for the 124m: the presets' 0.54 predicts those steps 5-7% long.
 GPU_EFFICIENCY = 0.54
 _PRESETS: dict[str, dict[str, Any]] = {
     "h100": dict(
