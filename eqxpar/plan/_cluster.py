@@ -35,7 +35,10 @@ class Link:
 class Cluster:
     """A machine of `hosts` hosts with `devices_per_host` devices each.
 
-    - `memory_per_device`: bytes of accelerator memory a step may use.
+    - `memory_per_device`: bytes of accelerator memory a step may use. The GPU presets
+      take the datasheet's, but a JAX process gets only `XLA_PYTHON_CLIENT_MEM_FRACTION`
+      of it (0.75 unless set; `benchmarks/gpu.py` sets 0.92): plan with what the
+      allocator gives (`device.memory_stats()["bytes_limit"]`, what `--layout auto` uses).
     - `peak_flops`: a dict from dtype name (`"bfloat16"`, `"float32"`) to dense FLOP/s per
       device, or a device kind [`eqxpar.inspect.peak_flops`][] knows (`"h100"`, `"tpu v5p"`).
     - `intra_host_bandwidth`, `inter_host_bandwidth`: bytes/s per device and direction
