@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from .._promotion import at_least_float32
 from ..nn import (
     ATTENTION_IMPLS,
     ColumnParallelLinear,
@@ -362,12 +363,12 @@ def embed_tokens(model: GPT, tokens, *, key, inference, rows=None, length=None):
         )
     sequence_dim = -1 if model.sequence_parallel else None
     x = model.token_embedding(tokens, sequence_dim=sequence_dim)
-    # Position rows read by a gather, not broadcast over the batch: the broadcast's backward is
-    # a sum over the batch, and XLA:GPU then laid the whole residual stream out batch-minor
-    # ((seq, dim, batch)), transposing it around every matmul; the gather's backward is a
-    # scatter-add (docs/benchmarks.md, "Position rows by a gather": 124m 0.97x the step time).
-    ids = jnp.arange(length) if rows is None else rows  # the positions of x's rows
-    x = x + jnp.take(model.position_embedding.weight, jnp.broadcast_to(ids, x.shape[:-1]), axis=0)
+    # A gather, not a broadcast over the batch (whose backward, a sum over the batch, made XLA:GPU
+    # lay the residual stream out batch-minor: docs/benchmarks.md), from a table in at least
+    # float32, so that its backward scatter-add adds up the batch's rows in float32.
+    ids = jnp.broadcast_to(jnp.arange(length) if rows is None else rows, x.shape[:-1])
+    table = model.position_embedding.weight
+    x = x + jnp.take(table.astype(at_least_float32(table.dtype)), ids, axis=0, mode="clip").astype(x.dtype)
     # The same key on every device; a split sequence takes its rows of the whole mask.
     return sequence_dropout(model.dropout, x, rows, length, key=key, inference=inference)
 
