@@ -87,8 +87,7 @@ def main(argv=None) -> dict:
     gpu = _gpu()
     env, flags, rejected = gpu.child_environment(args.no_xla_flags, [])
     trees = {"A": args.baseline.resolve(), "B": ROOT}
-    sides = {s: dict(env, PYTHONPATH=os.pathsep.join([str(t), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-             for s, t in trees.items()}  # fmt: skip
+    sides = side_environments(env, trees)
     if args.hlo:
         args.hlo.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -129,8 +128,15 @@ def main(argv=None) -> dict:
     return result
 
 
+def side_environments(env: dict, trees: dict[str, Path]) -> dict[str, dict]:
+    """Per side, `env` with that side's tree first on PYTHONPATH (before any entry `env` has)."""
+    ahead = lambda tree: os.pathsep.join([str(tree), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)  # noqa: E731
+    return {side: dict(env, PYTHONPATH=ahead(tree)) for side, tree in trees.items()}
+
+
 def _imported_from(row: dict, tree: Path) -> bool:
-    return Path(row["eqxpar_path"]).resolve().is_relative_to(tree)
+    """Whether the run imported `tree`'s own eqxpar (not, say, a copy of A's inside B's tree)."""
+    return Path(row["eqxpar_path"]).resolve() == (tree / "eqxpar").resolve()
 
 
 def _brief(row: dict) -> str:

@@ -4,6 +4,7 @@ the tables come out."""
 
 import importlib.util
 import json
+import os
 import pathlib
 import shutil
 
@@ -140,6 +141,19 @@ def test_gpu_ab_alternates_the_sides_and_takes_the_median_of_the_pairs_ratios():
     assert s["median_ratio"] == pytest.approx((0.97 + 0.9) / 2)
     assert (s["a_ms"], s["b_ms"]) == (105.0, 98.0) and s["losses"] == [(6.0, 6.5), (6.1, 6.6)]
     assert ab.summary([pairs[2]])["median_ratio"] is None
+
+
+def test_gpu_ab_puts_each_sides_tree_first_and_checks_what_it_imported(tmp_path):
+    ab = _load("gpu_ab")
+    trees = {"A": tmp_path / "base", "B": ROOT}
+    sides = ab.side_environments({"PYTHONPATH": "/elsewhere", "KEEP": "1"}, trees)
+    assert sides["A"]["PYTHONPATH"].split(os.pathsep) == [str(tmp_path / "base"), "/elsewhere"]
+    assert sides["B"]["PYTHONPATH"].split(os.pathsep) == [str(ROOT), "/elsewhere"]
+    assert sides["A"]["KEEP"] == sides["B"]["KEEP"] == "1"
+    assert ab.side_environments({}, trees)["A"]["PYTHONPATH"] == str(tmp_path / "base")
+    # B's own eqxpar only: not A's copy carried inside B's checkout.
+    assert ab._imported_from({"eqxpar_path": str(ROOT / "eqxpar")}, ROOT)
+    assert not ab._imported_from({"eqxpar_path": str(ROOT / "ab" / "eqxpar")}, ROOT)
 
 
 def test_gpu_ab_needs_another_tree_with_eqxpar_in_it(tmp_path, capsys):
