@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from _budget import examples
+from _budget import PINS_ONLY, examples
 from hypothesis import example, given
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
@@ -121,7 +121,7 @@ def cases(draw, remat):
     )
 
 
-@examples(3)  # and three pins; more under HYPOTHESIS_PROFILE=thorough
+@PINS_ONLY  # the three pins; draws under HYPOTHESIS_PROFILE=thorough (make test time)
 @given(case=cases(st.sampled_from(("block", "save_matmuls"))))
 @example(case=Case((2, 2, 2), "ring", "save_matmuls", True, False, 0.0))
 @example(case=Case((1, 8, 1), "ring", "save_matmuls", False, True, 0.1))

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _budget import examples
+from _budget import PINS_ONLY
 from hypothesis import example, given
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
@@ -308,7 +308,7 @@ KV_HEADS = st.sampled_from([1, 2, NUM_HEADS])
 PARALLEL = (2, 4, 8)  # device counts: a one-device mesh is the reference itself
 
 
-@examples(1)  # and the three pins; more under HYPOTHESIS_PROFILE=thorough (make test time)
+@PINS_ONLY  # the three pins; draws under HYPOTHESIS_PROFILE=thorough (make test time)
 @given(
     sizes=mesh_sizes(("data", "model"), PARALLEL),
     num_kv_heads=KV_HEADS,
@@ -326,7 +326,7 @@ def test_hybrid_llama_matches_one_device(sizes, num_kv_heads, scan, tie, seed):
     check_parity("hybrid", sizes, num_kv_heads, scan, tie, seed)
 
 
-@examples(1)  # and the three pins; more under HYPOTHESIS_PROFILE=thorough (make test time)
+@PINS_ONLY  # the three pins; draws under HYPOTHESIS_PROFILE=thorough (make test time)
 @given(
     sizes=mesh_sizes(("fsdp", "model"), PARALLEL),
     num_kv_heads=KV_HEADS,

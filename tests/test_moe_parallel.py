@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _budget import examples
+from _budget import PINS_ONLY, examples
 from hypothesis import example, given
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
@@ -74,7 +74,7 @@ def expert_parallel(layer, mesh):
     return mapped, specs, batch
 
 
-@examples(1)  # and the three pins; more under HYPOTHESIS_PROFILE=thorough (make test time)
+@PINS_ONLY  # the three pins; draws under HYPOTHESIS_PROFILE=thorough (make test time)
 @given(
     sizes=meshes,
     experts_per_device=st.sampled_from([1, 2]),
