@@ -25,7 +25,7 @@ from ..nn import partition_specs
 from ..train import fsdp_specs, pipeline_specs
 from ._candidates import Layout, used_axes
 from ._predict import block_bytes, leaf_blocks, optimizer_layout
-from ._predict_memory import WORKING_SET_BLOCKS, Memory
+from ._predict_memory import WORKING_SET_BLOCKS, Memory, logits_gradient_bytes
 from ._predict_time import flops_per_token
 
 BATCH_AXES = ("data", "fsdp")
@@ -223,9 +223,9 @@ def pipeline_memory(
       of one micro-batch); with remat only each tick's input (one stage output); 1F1B keeps
       at most `min(M, 2P - 1)` stage inputs (`Schedule.max_in_flight`).
     - temporaries (an estimate): the gradients, a compute-dtype copy of the parameters,
-      one micro-batch's logits gradient (compute dtype), the working set of two blocks, with remat or 1F1B
-      the recomputed tick's activations, and for `r > 1` the interleaved copy of the
-      blocks and their gradients.
+      one micro-batch's logits gradient (compute dtype), the working set of two blocks,
+      with remat or 1F1B the recomputed tick's activations, and for `r > 1` the
+      interleaved copy of the blocks and their gradients.
     """
     sizes = layout.sizes
     P, r, M = layout.stage, layout.virtual_stages, layout.microbatches
@@ -251,7 +251,7 @@ def pipeline_memory(
         temporaries += 2 * (block_bytes(gpt, specs, {**sizes, "fsdp": 1}) - params)
     if np.dtype(dtype) != np.dtype(gpt.position_embedding.weight.dtype):
         temporaries += block_bytes(gpt, specs, sizes, dtype=dtype)
-    temporaries += rows * seq * (gpt.padded_vocab_size // layout.model) * np.dtype(dtype).itemsize
+    temporaries += logits_gradient_bytes(gpt, layout, rows * seq, dtype)
     temporaries += WORKING_SET_BLOCKS * activations.per_block
     if layout.schedule == "1f1b" or layout.remat == "block":
         temporaries += tick

@@ -150,6 +150,12 @@ def _gathered_block_weights(gpt: GPT, specs: Any, sizes: dict[str, int]) -> int:
 WORKING_SET_BLOCKS = 2
 
 
+def logits_gradient_bytes(gpt: GPT, layout: Layout, tokens: int, dtype: Any) -> int:
+    """The logits' gradient of this device's `tokens` over its vocabulary block, in the
+    compute dtype: the cross-entropy's one-pass backward writes it once, in the logits' dtype."""
+    return tokens * (gpt.padded_vocab_size // layout.model) * np.dtype(dtype).itemsize
+
+
 def _fused_attention_change(gpt: GPT, layout: Layout, activations: Any, batch: int, seq: int) -> int:
     """Per block, what a fused attention kernel (cuDNN's flash attention) keeps beyond the
     theory's XLA attention: its float32 log-sum-exp per query, not the probabilities (0
@@ -173,7 +179,6 @@ def _temporaries(
     if layout.fsdp > 1:
         # The gathered parameters, and their gradient whole before its reduce-scatter.
         total += 2 * block_bytes(gpt, specs, {**sizes, "fsdp": 1}) - params
-    tokens = batch // layout.batch_shards * (seq // layout.context)
-    total += tokens * (gpt.padded_vocab_size // layout.model) * np.dtype(dtype).itemsize
+    total += logits_gradient_bytes(gpt, layout, batch // layout.batch_shards * (seq // layout.context), dtype)
     total += working
     return int(total)
