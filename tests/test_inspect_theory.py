@@ -288,7 +288,7 @@ def test_errors():
         data_parallel_theory(model, mesh, batch_axis="batch")
     with pytest.raises(ValueError, match="must be an eqxpar.models.GPT"):
         gpt_tensor_parallel_theory(eqx.nn.Linear(2, 2, key=jax.random.key(0)), mesh, 8, 4)
-    with pytest.raises(ValueError, match="positive multiple of the 2 data shards"):
+    with pytest.raises(ValueError, match="positive multiple of the 2 batch shards"):
         gpt_tensor_parallel_theory(model, mesh, 7, CONTEXT, batch_axis="data")
     with pytest.raises(ValueError, match="seq_len must be in 1..16"):
         gpt_tensor_parallel_theory(model, mesh, 8, CONTEXT + 1)

@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 
 from .._specs import AxisNames
 from ..inspect import CommTheory, report_axes, sequence_parallel_theory, theory_term
-from ._step_sizes import gpt_step_sizes
+from ._step_sizes import step_sizes
 
 
 def gpt_tensor_parallel_theory(
@@ -84,7 +84,7 @@ def gpt_tensor_parallel_theory(
       `seq_len` do not fit.
     """
     who = "gpt_tensor_parallel_theory"
-    sizes = gpt_step_sizes(who, model, mesh, batch_size, seq_len, batch_axis=batch_axis, context_axis=context_axis)
+    sizes = step_sizes(who, model, mesh, batch_size, seq_len, batch_axis=batch_axis, context_axis=context_axis)
     axes = report_axes(model.axis_name, mesh, who)
     itemsize = np.dtype(model.position_embedding.weight.dtype).itemsize
     tokens = sizes.tokens

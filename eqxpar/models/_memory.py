@@ -47,7 +47,7 @@ from .._specs import AxisNames
 from ..inspect import ActivationTerm, ActivationTheory
 from ..nn import StackedLayers
 from ._moe_block import MoEBlock
-from ._step_sizes import gpt_step_sizes
+from ._step_sizes import step_sizes
 
 _CONTEXT_IMPLS = ("ring", "all_gather")
 
@@ -97,7 +97,7 @@ def gpt_activation_theory(
       arrays live in host memory, which this does not model).
     """
     who = "gpt_activation_theory"
-    sizes = gpt_step_sizes(who, model, mesh, batch_size, seq_len, batch_axis=batch_axis, context_axis=context_axis)
+    sizes = step_sizes(who, model, mesh, batch_size, seq_len, batch_axis=batch_axis, context_axis=context_axis)
     if model.remat not in ("none", "block", "save_matmuls"):
         raise ValueError(
             f"{who}: remat={model.remat!r} keeps its saved arrays in host memory, which this "

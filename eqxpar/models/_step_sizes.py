@@ -1,4 +1,4 @@
-"""The sizes a GPT step's theories start from, checked once for all of them."""
+"""The sizes a GPT or Llama step's theories start from, checked once for all of them."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ from jax.sharding import Mesh
 
 from .._specs import AxisNames, check_axes
 from ._gpt import GPT
+from ._llama import Llama
 
 
 @dataclasses.dataclass(frozen=True)
-class GPTStepSizes:
-    """Per-device sizes of one micro-batch of a GPT step: `model_size` devices on the model
+class StepSizes:
+    """Per-device sizes of one micro-batch of a GPT or Llama step: `model_size` devices on the model
     axis, `replicas` batch shards, `contexts` context shards, `local_batch` examples and
     `local_seq` positions of each on one device."""
 
@@ -29,7 +30,7 @@ class GPTStepSizes:
         return self.local_batch * self.local_seq
 
 
-def gpt_step_sizes(
+def step_sizes(
     who: str,
     model: Any,
     mesh: Mesh,
@@ -38,17 +39,19 @@ def gpt_step_sizes(
     *,
     batch_axis: AxisNames | None,
     context_axis: str | None,
-) -> GPTStepSizes:
-    """Check a GPT theory's arguments and return the step's per-device sizes.
+    family: type = GPT,
+) -> StepSizes:
+    """Check a GPT or Llama theory's arguments and return the step's per-device sizes.
 
     **Raises:**
 
-    - `ValueError` naming `who` if `model` is not a GPT, the mesh lacks an axis, or
-      `batch_size` or `seq_len` do not split over the batch and context shards.
+    - `ValueError` naming `who` if `model` is not a `family` (GPT by default, or Llama),
+      the mesh lacks an axis, or `batch_size` or `seq_len` do not split over the batch and context shards.
     """
-    if not isinstance(model, GPT):
-        raise ValueError(f"{who}: model must be an eqxpar.models.GPT, got {type(model).__name__}.")
-    n = check_axes(mesh, model.axis_name, who=who, arg="the GPT's axis_name", role="to split the layers over")
+    name = family.__name__
+    if family not in (GPT, Llama) or not isinstance(model, family):
+        raise ValueError(f"{who}: model must be an eqxpar.models.{name}, got {type(model).__name__}.")
+    n = check_axes(mesh, model.axis_name, who=who, arg=f"the {name}'s axis_name", role="to split the layers over")
     replicas = (
         1
         if batch_axis is None
@@ -61,11 +64,12 @@ def gpt_step_sizes(
     )
     if not (isinstance(batch_size, int) and batch_size > 0 and batch_size % replicas == 0):
         raise ValueError(
-            f"{who}: batch_size must be a positive multiple of the {replicas} data shards, got {batch_size!r}."
+            f"{who}: batch_size must be a positive multiple of the {replicas} batch shards, got {batch_size!r}."
         )
-    if not (isinstance(seq_len, int) and 0 < seq_len <= model.context_length and seq_len % contexts == 0):
+    longest, what = (model.context_length, "context") if family is GPT else (model.config.max_seq_len, "max_seq_len")
+    if not (isinstance(seq_len, int) and 0 < seq_len <= longest and seq_len % contexts == 0):
         raise ValueError(
-            f"{who}: seq_len must be in 1..{model.context_length} (the GPT's context) and split over the "
+            f"{who}: seq_len must be in 1..{longest} (the {name}'s {what}) and split over the "
             f"{contexts} context shards, got {seq_len!r}."
         )
-    return GPTStepSizes(n, replicas, contexts, batch_size // replicas, seq_len // contexts)
+    return StepSizes(n, replicas, contexts, batch_size // replicas, seq_len // contexts)
