@@ -42,6 +42,7 @@ from ._hf_save import save_hf
 from ._llama import Llama, llama_flops_per_token, llama_loss, llama_matmul_params
 from ._llama_config import LLAMA_CONFIGS, LlamaConfig, LlamaRopeScaling, llama_config
 from ._llama_layers import LlamaAttention, LlamaBlock, LlamaMLP, RMSNorm, apply_rotary, rope_frequencies
+from ._llama_memory import llama_activation_theory
 from ._llama_stages import llama_stages
 from ._llama_theory import llama_tensor_parallel_theory
 from ._memory import gpt_activation_theory
@@ -88,6 +89,7 @@ __all__ = [
     "rope_frequencies",
     "apply_rotary",
     "llama_tensor_parallel_theory",
+    "llama_activation_theory",
     "llama_stages",
     "load_hf",
     "save_hf",

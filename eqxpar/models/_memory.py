@@ -47,7 +47,7 @@ from .._specs import AxisNames
 from ..inspect import ActivationTerm, ActivationTheory
 from ..nn import StackedLayers
 from ._moe_block import MoEBlock
-from ._step_sizes import step_sizes
+from ._step_sizes import StepSizes, step_sizes
 
 _CONTEXT_IMPLS = ("ring", "all_gather")
 
@@ -98,24 +98,8 @@ def gpt_activation_theory(
     """
     who = "gpt_activation_theory"
     sizes = step_sizes(who, model, mesh, batch_size, seq_len, batch_axis=batch_axis, context_axis=context_axis)
-    if model.remat not in ("none", "block", "save_matmuls"):
-        raise ValueError(
-            f"{who}: remat={model.remat!r} keeps its saved arrays in host memory, which this "
-            f"theory does not count; it models remat 'none', 'block' and 'save_matmuls'."
-        )
-    context = model.attention_impl in _CONTEXT_IMPLS
-    if context != (context_axis is not None):
-        raise ValueError(
-            f"{who}: the GPT's attention_impl={model.attention_impl!r} "
-            + (
-                "splits the sequence over a context axis: pass context_axis."
-                if context
-                else "does not split the sequence: pass context_axis=None (or use ring/all_gather attention)."
-            )
-        )
+    context = check_activation_step(who, model, sizes, context_axis)
     n, b, s_c = sizes.model_size, sizes.local_batch, sizes.local_seq
-    if model.sequence_parallel and s_c % n:
-        raise ValueError(f"{who}: sequence_parallel splits {s_c} positions over model={n}, which does not divide them.")
 
     moe = getattr(model, "moe", None)
     layers = model.num_layers
@@ -204,6 +188,32 @@ def gpt_activation_theory(
     )
     terms = tuple(term for term in blocks + outside if term.total)
     return ActivationTheory(terms, layers, model.remat, exact_blocks=model.remat != "none")
+
+
+def check_activation_step(who: str, model: Any, sizes: StepSizes, context_axis: str | None) -> bool:
+    """The refusals an activation theory shares (a GPT's or a Llama's): `ValueError` naming
+    `who` for remat `"offload"`, a context axis that does not match the model's attention, or
+    sequence parallelism whose model axis does not split the local sequence. Returns whether
+    the attention splits the sequence over a context axis."""
+    if model.remat not in ("none", "block", "save_matmuls"):
+        raise ValueError(
+            f"{who}: remat={model.remat!r} keeps its saved arrays in host memory, which this "
+            f"theory does not count; it models remat 'none', 'block' and 'save_matmuls'."
+        )
+    context = model.attention_impl in _CONTEXT_IMPLS
+    if context != (context_axis is not None):
+        raise ValueError(
+            f"{who}: the {type(model).__name__}'s attention_impl={model.attention_impl!r} "
+            + (
+                "splits the sequence over a context axis: pass context_axis."
+                if context
+                else "does not split the sequence: pass context_axis=None (or use ring/all_gather attention)."
+            )
+        )
+    n, s_c = sizes.model_size, sizes.local_seq
+    if model.sequence_parallel and s_c % n:
+        raise ValueError(f"{who}: sequence_parallel splits {s_c} positions over model={n}, which does not divide them.")
+    return context
 
 
 def _active(p: Any) -> bool:
