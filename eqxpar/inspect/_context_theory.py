@@ -1,9 +1,10 @@
 """Theory for context parallelism: the bytes ring and all-gather attention move per step.
 
 Per attention layer and device, with `C` context shards, a local batch of `B` examples
-(the global batch over the batch axes), `L = S / C` positions of each, and `H` heads
-(`num_heads` over the model axis) of `d` dimensions, one device's keys and values are
-`KV = 2 B L H d` elements.
+(the global batch over the batch axes), `L = S / C` positions of each, and `H` key/value
+heads (`num_kv_heads` over the model axis: `num_heads` unless the attention sends grouped
+keys and values) of `d` dimensions, one device's keys and values are `KV = 2 B L H d`
+elements.
 
 - **ring**: `C - 1` collective-permutes forward (each sends this device's current K/V
   block on: `(C - 1) KV`, that is `(C - 1) / C` of the whole sequence's K and V); backward,
@@ -47,6 +48,7 @@ def context_parallel_theory(
     model_axis: str | None = None,
     dtype: Any = np.float32,
     remat: bool = False,
+    num_kv_heads: int | None = None,
 ) -> CommTheory:
     """The attention traffic of a context-parallel train step (forward and backward).
 
@@ -56,6 +58,9 @@ def context_parallel_theory(
     - `batch`: the global batch size (examples); `seq_len`: the global sequence length.
     - `num_heads`, `head_dim`, `num_layers`: the attention's shape (keys and values have
       the same head size).
+    - `num_kv_heads`: the key/value heads that travel (grouped-query attention that sends
+      its keys and values before repeating them to the query heads), a divisor of
+      `num_heads`; default `num_heads`.
     - `mode`: `"ring"` or `"all_gather"`.
     - `context_axis`: the axis the sequence is split over.
     - `batch_axis`: the axis (or axes) the batch is split over (None: not split).
@@ -76,14 +81,31 @@ def context_parallel_theory(
     who = "context_parallel_theory"
     if mode not in CONTEXT_MODES:
         raise ValueError(f"{who}: mode must be one of {CONTEXT_MODES}, got {mode!r}.")
-    _positive(who, batch=batch, seq_len=seq_len, num_heads=num_heads, head_dim=head_dim, num_layers=num_layers)
+    kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    _positive(
+        who,
+        batch=batch,
+        seq_len=seq_len,
+        num_heads=num_heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        num_layers=num_layers,
+    )
+    if num_heads % kv_heads:
+        raise ValueError(f"{who}: num_kv_heads={kv_heads} must divide num_heads={num_heads}.")
     c = axis_size(mesh, context_axis, who, "context")
     n_batch = 1 if batch_axis is None else axis_size(mesh, batch_axis, who, "batch")
     n_model = 1 if model_axis is None else axis_size(mesh, model_axis, who, "model")
-    for what, total, parts in (("batch", batch, n_batch), ("seq_len", seq_len, c), ("num_heads", num_heads, n_model)):
+    splits = (
+        ("batch", batch, n_batch),
+        ("seq_len", seq_len, c),
+        ("num_heads", num_heads, n_model),
+        ("num_kv_heads", kv_heads, n_model),
+    )
+    for what, total, parts in splits:
         if total % parts:
             raise ValueError(f"{who}: {what}={total} does not split over {parts} devices.")
-    kv = 2 * (batch // n_batch) * (seq_len // c) * (num_heads // n_model) * head_dim
+    kv = 2 * (batch // n_batch) * (seq_len // c) * (kv_heads // n_model) * head_dim
     item = np.dtype(dtype).itemsize
     axes = (context_axis,) if c > 1 else ()
     if mode == "ring":

@@ -92,19 +92,26 @@ def gpt_tensor_parallel_theory(
     stream = tokens * dim * itemsize
     blocks = len(model.blocks)
     if model.sequence_parallel:
-        blocks_theory = sequence_parallel_theory(
+        # Parameters that see only this device's positions: 2 layer norms per block and the
+        # final one (weight and bias each), the MLP's output biases, the position rows of a
+        # whole sequence (each device reads some of them).
+        block = model.blocks.layers if model.scan_layers else model.blocks[0]
+        biases = blocks * dim if block.mlp.use_bias else 0
+        params = (2 * (2 * blocks + 1) * dim + biases + seq_len * dim) * itemsize
+        return megatron_sequence_parallel(
             mesh,
-            batch=batch_size,
-            seq_len=seq_len,
-            dim=dim,
-            num_layers=blocks,
+            model.axis_name,
+            blocks,
+            batch_size,
+            seq_len,
+            dim,
+            model.position_embedding.weight.dtype,
+            tokens,
             batch_axis=batch_axis,
             context_axis=context_axis,
-            model_axis=model.axis_name,
-            dtype=model.position_embedding.weight.dtype,
-        )
-        return _sequence_parallel_terms(
-            model, blocks_theory, axes, blocks, stream, tokens, seq_len, dim, itemsize, remat
+            params=params,
+            params_what="layer norms, MLP output biases, position rows",
+            remat=remat,
         )
     return megatron_all_reduces(
         axes, blocks, stream, tokens * itemsize, remat, unit="blocks", outputs="(attention, MLP)"
@@ -132,37 +139,66 @@ def megatron_all_reduces(
     )
 
 
-def _sequence_parallel_terms(
-    model, blocks_theory, axes, blocks, stream, tokens, seq_len, dim, itemsize, remat
+def megatron_sequence_parallel(
+    mesh: Mesh,
+    model_axis: str,
+    count: int,
+    batch_size: int,
+    seq_len: int,
+    dim: int,
+    dtype: Any,
+    tokens: int,
+    *,
+    batch_axis: AxisNames | None,
+    context_axis: str | None,
+    params: int,
+    params_what: str,
+    remat: bool,
+    rescattered: bool = True,
 ) -> CommTheory:
-    """`gpt_tensor_parallel_theory` for a GPT with `sequence_parallel=True`: the blocks'
-    residual traffic (`blocks_theory`, from `eqxpar.inspect.sequence_parallel_theory`)
-    and what the GPT adds around them."""
-    # Parameters that see only this device's positions: 2 layer norms per block and the
-    # final one (weight and bias each), the MLP's output biases, the position rows of a
-    # whole sequence (each device reads some of them).
-    norms = 2 * (2 * blocks + 1) * dim
-    block = model.blocks.layers if model.scan_layers else model.blocks[0]
-    biases = blocks * dim if block.mlp.use_bias else 0
-    params = (norms + biases + seq_len * dim) * itemsize
+    """The collectives over the model axis of a transformer split the Megatron way with
+    sequence parallelism, for the GPT and the Llama alike (`count` layers, residual width
+    `dim`, activations in `dtype`, `tokens` per device in the tensor-parallel regions, a
+    global batch of `batch_size` sequences of `seq_len`): the layers' residual traffic
+    (`eqxpar.inspect.sequence_parallel_theory`), the embedding's reduce-scatter and the
+    head's all-gather with their transposes, the all-reduce of the `params` bytes of
+    gradients of the parameters that see only this device's positions (`params_what`),
+    the cross-entropy's three per-token statistics, and under `remat` each layer's
+    attention and MLP input all-gathers again, with its attention output reduce-scatter
+    unless `rescattered` is False (the compiled program then reuses the forward pass's)."""
+    blocks = sequence_parallel_theory(
+        mesh,
+        batch=batch_size,
+        seq_len=seq_len,
+        dim=dim,
+        num_layers=count,
+        batch_axis=batch_axis,
+        context_axis=context_axis,
+        model_axis=model_axis,
+        dtype=dtype,
+    )
+    axes = report_axes(model_axis, mesh, "megatron_sequence_parallel")
+    itemsize = np.dtype(dtype).itemsize
+    stream = tokens * dim * itemsize
     terms = (
-        blocks_theory.terms
+        blocks.terms
         + theory_term(
             "all-gather", axes, 2 * stream, "SP: the head's input (fwd), the embedding's output gradient (bwd)"
         )
         + theory_term(
             "reduce-scatter", axes, 2 * stream, "SP: the embedding's output (fwd), the head's input gradient (bwd)"
         )
-        + theory_term("all-reduce", axes, params, "SP: gradients of layer norms, MLP output biases, position rows")
+        + theory_term("all-reduce", axes, params, f"SP: gradients of {params_what}")
         + theory_term(
             "all-reduce", axes, 3 * tokens * itemsize, "cross-entropy: max, sum of exponentials, target logit"
         )
     )
     if remat:
         terms += theory_term(
-            "all-gather", axes, 2 * blocks * stream, "SP: attention and MLP input gathers recomputed (remat)"
+            "all-gather", axes, 2 * count * stream, "SP: attention and MLP input gathers recomputed (remat)"
         )
-        terms += theory_term(
-            "reduce-scatter", axes, blocks * stream, "SP: attention output scatters recomputed (remat)"
-        )
+        if rescattered:
+            terms += theory_term(
+                "reduce-scatter", axes, count * stream, "SP: attention output scatters recomputed (remat)"
+            )
     return CommTheory(terms)
