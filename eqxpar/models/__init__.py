@@ -44,7 +44,7 @@ from ._llama_config import LLAMA_CONFIGS, LlamaConfig, LlamaRopeScaling, llama_c
 from ._llama_layers import LlamaAttention, LlamaBlock, LlamaMLP, RMSNorm, apply_rotary, rope_frequencies
 from ._llama_memory import llama_activation_theory
 from ._llama_stages import llama_stages
-from ._llama_theory import llama_tensor_parallel_theory
+from ._llama_theory import llama_context_parallel_theory, llama_tensor_parallel_theory
 from ._memory import gpt_activation_theory
 from ._moe_block import MoEBlock, MoEOptions, moe_aux_loss
 from ._moe_llama import LlamaMoEBlock
@@ -89,6 +89,7 @@ __all__ = [
     "rope_frequencies",
     "apply_rotary",
     "llama_tensor_parallel_theory",
+    "llama_context_parallel_theory",
     "llama_activation_theory",
     "llama_stages",
     "load_hf",

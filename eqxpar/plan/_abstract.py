@@ -1,4 +1,4 @@
-"""The GPT and mesh a plan reasons about, without memory or devices.
+"""The model (a GPT or a Llama) and mesh a plan reasons about, without memory or devices.
 
 The planner calls eqxpar's own theories and spec functions, which read shapes and dtypes
 from a model and axis sizes from a `jax.sharding.Mesh`. Here the model is built with
@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from ..models import GPT, GPTConfig, MoEBlock, MoEOptions
+from ..models import GPT, GPTConfig, Llama, LlamaConfig, MoEBlock, MoEOptions
 from ..nn import MixtureOfExperts, StackedLayers
 
 # The mesh axes a plan may use, outermost first (the innermost, `model`, varies fastest
@@ -88,9 +88,57 @@ def _abstract_gpt(context, dim, heads, layers, vocab, remat, sequence_parallel, 
     return jax.tree.map(_zero_memory, shapes, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
 
 
-def experts_of(gpt: GPT) -> MixtureOfExperts | None:
+def abstract_llama(config: LlamaConfig, *, remat: str, sequence_parallel: bool, attention_impl: str) -> Llama:
+    """The Llama of `config` with zero-memory leaves (see the module docs), its layers stacked."""
+    return _abstract_llama(config, remat, sequence_parallel, attention_impl)
+
+
+@functools.lru_cache(maxsize=64)
+def _abstract_llama(config, remat, sequence_parallel, attention_impl) -> Llama:
+    shapes = eqx.filter_eval_shape(
+        lambda: Llama(
+            config,
+            scan_layers=True,
+            remat=remat,
+            sequence_parallel=sequence_parallel,
+            attention_impl=attention_impl,
+            key=jax.random.key(0),
+        )
+    )
+    return jax.tree.map(_zero_memory, shapes, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+
+def abstract_model(
+    config: GPTConfig | LlamaConfig,
+    vocab_size: int,
+    *,
+    remat: str,
+    sequence_parallel: bool,
+    attention_impl: str,
+    pad_vocab_to_multiple_of: int,
+    moe: MoEOptions | None = None,
+) -> GPT | Llama:
+    """The model of `config` (a GPT, or a Llama: its config holds its vocabulary, so
+    `vocab_size`, the padding and `moe` are the GPT's only) with zero-memory leaves."""
+    if isinstance(config, LlamaConfig):
+        return abstract_llama(config, remat=remat, sequence_parallel=sequence_parallel, attention_impl=attention_impl)
+    return abstract_gpt(
+        config,
+        vocab_size,
+        remat=remat,
+        sequence_parallel=sequence_parallel,
+        attention_impl=attention_impl,
+        pad_vocab_to_multiple_of=pad_vocab_to_multiple_of,
+        moe=moe,
+    )
+
+
+def experts_of(model: GPT | Llama) -> MixtureOfExperts | None:
     """The mixture of experts of the stacked GPT's blocks (its arrays with a layer axis),
-    or None for a GPT without experts."""
+    or None for a model without experts (a Llama: the planner plans no MoE Llama)."""
+    if not isinstance(model, GPT):
+        return None
+    gpt = model
     layers = gpt.blocks.layers if isinstance(gpt.blocks, StackedLayers) else None
     return layers.moe if isinstance(layers, MoEBlock) else None
 

@@ -9,13 +9,13 @@ import dataclasses
 import math
 from collections.abc import Iterator
 
-from ..models import GPT, gpt_activation_theory, gpt_tensor_parallel_theory
 from ..nn import zigzag_order
 from ..train import make_schedule
-from ._abstract import AXES, EXPERT_AXES, abstract_gpt, abstract_mesh, experts_of
+from ._abstract import AXES, EXPERT_AXES, abstract_mesh, abstract_model, experts_of
+from ._family import PlanModel, activation_theory, tensor_parallel_theory
 
 REMATS = ("none", "save_matmuls", "block")
-"""The GPT remat policies a plan chooses from (`"offload"` is not modelled)."""
+"""The remat policies (the GPT's and the Llama's) a plan chooses from (`"offload"` is not modelled)."""
 CONTEXT_ATTENTION = ("ring", "all_gather")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "circular")
 """The pipeline schedules a plan chooses from (see [`eqxpar.train.make_schedule`][])."""
@@ -25,16 +25,16 @@ VIRTUAL_STAGES = (2, 4)
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """One way to run a GPT step: axis sizes (`data` copies the model, `fsdp` splits
+    """One way to run a GPT or Llama step: axis sizes (`data` copies the model, `fsdp` splits
     parameters and optimizer state too, `context` splits every sequence, `model` splits
-    the layers), the GPT's `remat` policy, Megatron `sequence_parallel` over the model axis,
+    the layers), the model's `remat` policy, Megatron `sequence_parallel` over the model axis,
     and `attention` (`"dot_product"` without a context axis; `"ring"` or `"all_gather"`
     with one).
 
     With `stage > 1` the layout is a pipeline ([`eqxpar.train.pipeline_step`][] with
-    [`eqxpar.models.gpt_stages`][]): the blocks split over `stage`, `schedule` one of
-    `"gpipe"`, `"1f1b"`, `"circular"`, `microbatches` per batch shard, `virtual_stages`
-    layer chunks per device (circular). `remat` is then the pipeline's: `"none"` keeps
+    [`eqxpar.models.gpt_stages`][] or [`eqxpar.models.llama_stages`][]): the blocks split
+    over `stage`, `schedule` one of `"gpipe"`, `"1f1b"`, `"circular"`, `microbatches` per
+    batch shard, `virtual_stages` layer chunks per device (circular). `remat` is then the pipeline's: `"none"` keeps
     every tick's activations, `"block"` keeps only each tick's input and recomputes the
     stage (GPipe's `remat=True`; 1F1B always does).
 
@@ -178,20 +178,20 @@ def pipeline_variants(layout: Layout, batch: int, layers: int) -> Iterator[Layou
                 yield dataclasses.replace(layout, schedule=schedule, microbatches=m, virtual_stages=r)
 
 
-_CHECKED: dict[tuple[int, int], str] = {}  # (id of an abstract GPT, model size): "" or why not; GPTs are cached
+_CHECKED: dict[tuple[int, int], str] = {}  # (id of an abstract model, model size): "" or why not; models are cached
 
 
 def clear_checks() -> None:
-    """Forget the model-axis checks kept by GPT id (`eqxpar.plan.plan` clears them when it starts)."""
+    """Forget the model-axis checks kept by model id (`eqxpar.plan.plan` clears them when it starts)."""
     _CHECKED.clear()
 
 
-def rule_out(layout: Layout, gpt: GPT, batch: int, seq: int) -> str | None:
+def rule_out(layout: Layout, gpt: PlanModel, batch: int, seq: int) -> str | None:
     """Why `layout` cannot run `gpt` on `batch` sequences of `seq` tokens, or None.
 
-    The rules are the library's own checks, called rather than restated: the GPT's own
-    `check_axis_size` (heads, MLP width and padded vocabulary split over `model`), the GPT's
-    theories (the batch over `data x fsdp`, the sequence over `context`, and over
+    The rules are the library's own checks, called rather than restated: the model's own
+    `check_axis_size` (heads, key/value heads, MLP width and (padded) vocabulary split over
+    `model`), the model's theories (the batch over `data x fsdp`, the sequence over `context`, and over
     `context x model` with sequence parallelism), the zigzag layout of context parallelism
     (the sequence in `2 x context` equal chunks); with an expert axis, the MoE layers' own
     `check_axis_size` (the experts over `expert`, as the step builders check them) and
@@ -218,8 +218,8 @@ def rule_out(layout: Layout, gpt: GPT, batch: int, seq: int) -> str | None:
         experts = experts_of(gpt)
         if layout.expert is not None and experts is not None:
             experts.check_axis_size(layout.expert, "blocks")
-        gpt_tensor_parallel_theory(gpt, mesh, batch, seq, batch_axis=axes, context_axis=context_axis)
-        gpt_activation_theory(gpt, mesh, batch, seq, batch_axis=axes, context_axis=context_axis)
+        tensor_parallel_theory(gpt, mesh, batch, seq, batch_axis=axes, context_axis=context_axis)
+        activation_theory(gpt, mesh, batch, seq, batch_axis=axes, context_axis=context_axis)
         if context_axis:
             zigzag_order(seq, layout.context)
     except ValueError as error:
@@ -227,7 +227,7 @@ def rule_out(layout: Layout, gpt: GPT, batch: int, seq: int) -> str | None:
     return None
 
 
-def _pipeline_rule(layout: Layout, gpt: GPT, batch: int) -> str | None:
+def _pipeline_rule(layout: Layout, gpt: PlanModel, batch: int) -> str | None:
     """What `pipeline_step` refuses: a schedule [`eqxpar.train.make_schedule`][] refuses
     (circular micro-batches not a multiple of the stages: the one rule a planned schedule
     can break; its message is make_schedule's), layers that do not split into
@@ -258,7 +258,7 @@ def no_layout_message(config, batch, seq, cluster, vocab_size, pad, axes, pipeli
         if lay.stage > 1:
             lay = dataclasses.replace(lay, schedule="gpipe", microbatches=2)
         if lay.remat == "block" and not lay.sequence_parallel and lay.attention in ("dot_product", "ring"):
-            gpt = abstract_gpt(
+            gpt = abstract_model(
                 config,
                 vocab_size,
                 remat="block" if lay.stage == 1 else "none",

@@ -33,6 +33,7 @@ from ..inspect import CommTheory, TheoryTerm, expert_parallel_theory, theory_ter
 from ..models import GPT, GPTConfig, MoEOptions, stack_blocks
 from ._abstract import experts_of
 from ._candidates import Layout
+from ._family import PlanModel
 from ._predict import block_bytes
 
 # The gradient all-reduces of the dense theories (inspect's data_parallel_theory and
@@ -161,10 +162,10 @@ def _expert_bytes(gpt: GPT, specs: Any, sizes: dict[str, int], fsdp_split: bool 
     return split if fsdp_split else every - split
 
 
-def recomputed_expert_flops(gpt: GPT) -> int:
+def recomputed_expert_flops(gpt: PlanModel) -> int:
     """FLOPs per token of the MoE blocks' router and routed experts forward (their `top_k`
     experts' SwiGLU), over every block: what `remat="save_matmuls"` recomputes beside the
-    attention (no remat policy names their einsums). 0 for a GPT without experts."""
+    attention (no remat policy names their einsums). 0 for a model without experts."""
     layer = experts_of(gpt)
     if layer is None:
         return 0
@@ -172,7 +173,7 @@ def recomputed_expert_flops(gpt: GPT) -> int:
     return 2 * (layer.router.weight.size + experts)
 
 
-def routed_arrays(gpt: GPT, layout: Layout, batch: int, seq: int, dtype: Any) -> int:
+def routed_arrays(gpt: PlanModel, layout: Layout, batch: int, seq: int, dtype: Any) -> int:
     """An estimate of what one MoE block keeps of its routed path for the backward pass:
     under `remat="none"` for every block, which [`eqxpar.models.gpt_activation_theory`][]
     leaves out (its lower bound); under the other remats for the block being recomputed
@@ -183,7 +184,7 @@ def routed_arrays(gpt: GPT, layout: Layout, batch: int, seq: int, dtype: Any) ->
     choice (`2 groups top_k seq dim`), in the compute dtype; and the router's scores in
     float32 (`2 groups seq E`). Read off `jax.ad_checkpoint.print_saved_residuals` of the
     layer; on the planner's toy one more block keeps 0.96-1.006 of it under `remat="none"`
-    outside FSDP, 0.84 on `model=8` (docs/concepts/planner.md). 0 for a GPT without experts."""
+    outside FSDP, 0.84 on `model=8` (docs/concepts/planner.md). 0 for a model without experts."""
     layer = experts_of(gpt)
     if layer is None:
         return 0

@@ -1,5 +1,6 @@
 """What a pipeline layout costs (`stage > 1`: [`eqxpar.train.pipeline_step`][] with
-[`eqxpar.models.gpt_stages`][]), from the schedule's tables and the GPT's shapes.
+[`eqxpar.models.gpt_stages`][] or [`eqxpar.models.llama_stages`][]), from the schedule's
+tables and the model's shapes.
 
 Every device runs the same program: at every tick of the schedule each stage runs the
 embedding, its chunk of blocks and the head on one micro-batch (masked where it has no
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import equinox as eqx
 import jax
 import numpy as np
 import optax
@@ -20,10 +20,10 @@ from jax.sharding import Mesh, PartitionSpec
 
 from .._specs import spec_axes
 from ..inspect import CommTheory, TheoryTerm
-from ..models import GPT, gpt_activation_theory, gpt_stages
 from ..nn import partition_specs
 from ..train import fsdp_specs, pipeline_specs
 from ._candidates import Layout, used_axes
+from ._family import PlanModel, activation_theory, blocks_of, param_dtype, stages_of, width, without_blocks
 from ._predict import block_bytes, leaf_blocks, optimizer_layout
 from ._predict_memory import WORKING_SET_BLOCKS, Memory, logits_gradient_bytes
 from ._predict_time import flops_per_token
@@ -35,37 +35,33 @@ _SPLIT: dict[tuple[int, int], Any] = {}
 
 
 def clear_caches() -> None:
-    """Forget the pipeline specs and leaf splits kept by GPT id (one plan call's worth)."""
+    """Forget the pipeline specs and leaf splits kept by model id (one plan call's worth)."""
     _SPECS.clear()
     _SPLIT.clear()
 
 
-def pipeline_layout_specs(gpt: GPT, layout: Layout, mesh: Mesh) -> Any:
-    """The specs `pipeline_step` gives the GPT: [`eqxpar.nn.partition_specs`][] with the
+def pipeline_layout_specs(gpt: PlanModel, layout: Layout, mesh: Mesh) -> Any:
+    """The specs `pipeline_step` gives the model: [`eqxpar.nn.partition_specs`][] with the
     stacked blocks' layer axis split over `stage` ([`eqxpar.train.pipeline_specs`][]); with
     `fsdp > 1`, [`eqxpar.train.fsdp_specs`][] over `fsdp` on top (FSDP inside the stages).
-    Cached per GPT, FSDP and model sizes (`fsdp_specs` may split a dimension `model` splits
+    Cached per model, FSDP and model sizes (`fsdp_specs` may split a dimension `model` splits
     further, where the sizes allow; the stage size changes only the blocks)."""
     key = (id(gpt), layout.fsdp, layout.model)
     if key not in _SPECS:
-        specs = pipeline_specs(gpt_stages(), gpt, partition_specs(gpt), "stage")
+        specs = pipeline_specs(stages_of(gpt), gpt, partition_specs(gpt), "stage")
         if layout.fsdp > 1:
             specs = fsdp_specs(gpt, mesh, batch_axis="fsdp", param_specs=specs)
         _SPECS[key] = (gpt, specs)
     return _SPECS[key][1]
 
 
-def _split(gpt: GPT, specs: Any) -> tuple[Any, Any, Any, Any]:
-    """The GPT's tree and specs in two: the stacked blocks, and the rest (embeddings,
+def _split(gpt: PlanModel, specs: Any) -> tuple[Any, Any, Any, Any]:
+    """The model's tree and specs in two: the stacked blocks, and the rest (embeddings,
     final norm, head: the parts copied on every stage)."""
     key = (id(gpt), id(specs))
     if key not in _SPLIT:
-        _SPLIT[key] = (gpt, specs, (gpt.blocks, specs.blocks, _others(gpt), _others(specs)))
+        _SPLIT[key] = (gpt, specs, (blocks_of(gpt), blocks_of(specs), without_blocks(gpt), without_blocks(specs)))
     return _SPLIT[key][-1]
-
-
-def _others(tree: Any) -> Any:
-    return eqx.tree_at(lambda m: m.blocks, tree, None)
 
 
 def ticks(layout: Layout) -> tuple[int, int]:
@@ -83,7 +79,7 @@ def in_flight(layout: Layout) -> int:
     return min(layout.microbatches, 2 * layout.stage - 1)
 
 
-def pipeline_comm(gpt: GPT, layout: Layout, specs: Any, batch: int, seq: int) -> CommTheory:
+def pipeline_comm(gpt: PlanModel, layout: Layout, specs: Any, batch: int, seq: int) -> CommTheory:
     """The collectives of a pipeline step, per device per step:
 
     - `collective-permute` over `stage`: [`eqxpar.train.stage_boundary_bytes`][] of the
@@ -102,8 +98,9 @@ def pipeline_comm(gpt: GPT, layout: Layout, specs: Any, batch: int, seq: int) ->
       those and `stage`, with the loss (4 bytes).
     - the gradient norm: one float32 scalar all-reduce per distinct set of axes the
       parameters' specs split over.
-    - with `model > 1`, the GPT's Megatron all-reduces (as
-      [`eqxpar.models.gpt_tensor_parallel_theory`][]) for one micro-batch and the stage's
+    - with `model > 1`, the model's Megatron all-reduces (as
+      [`eqxpar.models.gpt_tensor_parallel_theory`][] and
+      [`eqxpar.models.llama_tensor_parallel_theory`][] count them) for one micro-batch and the stage's
       `L / (r P)` blocks, once per tick: forward ticks the embedding lookup, two per block
       and the cross-entropy's three; backward ticks two per block and the head's input
       gradient; with remat (GPipe, circular) every backward tick recomputes the forward;
@@ -112,8 +109,8 @@ def pipeline_comm(gpt: GPT, layout: Layout, specs: Any, batch: int, seq: int) ->
     """
     sizes = layout.sizes
     P, r, M = layout.stage, layout.virtual_stages, layout.microbatches
-    itemsize = np.dtype(gpt.position_embedding.weight.dtype).itemsize
-    dim = gpt.position_embedding.weight.shape[-1]
+    itemsize = np.dtype(param_dtype(gpt)).itemsize
+    dim = width(gpt)
     rows = batch // (layout.batch_shards * M)
     tokens = rows * seq
     stream = tokens * dim * itemsize
@@ -183,7 +180,7 @@ def _gradient_sums(tree: Any, specs: Any, sizes: dict[str, int], extra: tuple[st
     return out
 
 
-def _norm_axes(gpt: GPT, specs: Any, sizes: dict[str, int]) -> list[tuple[str, ...]]:
+def _norm_axes(gpt: PlanModel, specs: Any, sizes: dict[str, int]) -> list[tuple[str, ...]]:
     """The axes of the gradient norm's all-reduces: one per distinct set of axes a
     floating-point parameter's spec names (those of size 1 left out: no traffic)."""
     seen: list[tuple[str, ...]] = []
@@ -203,7 +200,7 @@ def _norm_axes(gpt: GPT, specs: Any, sizes: dict[str, int]) -> list[tuple[str, .
 
 
 def pipeline_memory(
-    gpt: GPT,
+    gpt: PlanModel,
     mesh: Mesh,
     layout: Layout,
     specs: Any,
@@ -215,12 +212,12 @@ def pipeline_memory(
     """Bytes per device of a pipeline step:
 
     - parameters and optimizer state (exact): the stage's `L / P` blocks (split over
-      `model` as the GPT's specs say) plus the embeddings, final norm and head, which every
+      `model` as the model's specs say) plus the embeddings, final norm and head, which every
       stage holds (they run, masked, on every stage).
     - saved activations: without remat, GPipe and circular keep every tick's residuals
       (`r M + P - 1` ticks, idle ones too: one scan), each one micro-batch through the
-      embedding, the stage's blocks and the head ([`eqxpar.models.gpt_activation_theory`][]
-      of one micro-batch); with remat only each tick's input (one stage output); 1F1B keeps
+      embedding, the stage's blocks and the head (the model's activation theory of one
+      micro-batch); with remat only each tick's input (one stage output); 1F1B keeps
       at most `min(M, 2P - 1)` stage inputs (`Schedule.max_in_flight`).
     - temporaries (an estimate): the gradients, a compute-dtype copy of the parameters,
       one micro-batch's logits gradient (compute dtype), the working set of two blocks,
@@ -232,12 +229,12 @@ def pipeline_memory(
     params = block_bytes(gpt, specs, sizes)
     opt_shapes, opt_specs = optimizer_layout(gpt, optimizer, specs)
     opt = block_bytes(opt_shapes, opt_specs, sizes, floating_only=False)
-    activations = gpt_activation_theory(gpt, mesh, batch // M, seq, batch_axis=BATCH_AXES, dtype=dtype)
+    activations = activation_theory(gpt, mesh, batch // M, seq, batch_axis=BATCH_AXES, context_axis=None, dtype=dtype)
     chunk = gpt.num_layers // (P * r)
     outside = activations.total - gpt.num_layers * activations.per_block
     tick = chunk * activations.per_block + outside
     rows = batch // (layout.batch_shards * M)
-    dim = gpt.position_embedding.weight.shape[-1]
+    dim = width(gpt)
     stage_input = rows * seq * dim * np.dtype(dtype).itemsize
     kept, _ = ticks(layout)  # GPipe and circular keep every forward tick's residuals
     if layout.schedule == "1f1b":
@@ -249,7 +246,7 @@ def pipeline_memory(
     temporaries = params  # the gradients
     if layout.fsdp > 1:  # the stage's parameters gathered whole, and their gradients before the scatter
         temporaries += 2 * (block_bytes(gpt, specs, {**sizes, "fsdp": 1}) - params)
-    if np.dtype(dtype) != np.dtype(gpt.position_embedding.weight.dtype):
+    if np.dtype(dtype) != np.dtype(param_dtype(gpt)):
         temporaries += block_bytes(gpt, specs, sizes, dtype=dtype)
     temporaries += logits_gradient_bytes(gpt, layout, rows * seq, dtype)
     temporaries += WORKING_SET_BLOCKS * activations.per_block
@@ -261,7 +258,7 @@ def pipeline_memory(
     return Memory(params, opt, int(saved), int(temporaries), int(per_block))
 
 
-def pipeline_flops(gpt: GPT, layout: Layout, batch: int, seq: int) -> float:
+def pipeline_flops(gpt: PlanModel, layout: Layout, batch: int, seq: int) -> float:
     """FLOPs one device executes in its `r M` working ticks: its `1/P` of the blocks'
     training FLOPs, and the whole head's in every working tick (every stage runs it on
     each chunk it passes, masked where it is not the last: `r` times per micro-batch), over

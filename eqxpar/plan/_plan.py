@@ -1,5 +1,5 @@
-"""`eqxpar.plan.plan`: every layout of a GPT step on a cluster, priced by exact theory, the
-fastest that fit first."""
+"""`eqxpar.plan.plan`: every layout of a GPT or Llama step on a cluster, priced by exact
+theory, the fastest that fit first."""
 
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ import numpy as np
 import optax
 
 from ..inspect import CommTheory
-from ..models import GPT, GPTConfig, MoEOptions
+from ..models import GPTConfig, MoEOptions
 from . import _cluster, _pipeline
-from ._abstract import AXES, EXPERT_AXES, abstract_gpt, abstract_mesh
+from ._abstract import AXES, EXPERT_AXES, abstract_mesh, abstract_model
 from ._build import build_batch, build_mesh, build_model, build_step
 from ._candidates import REMATS, Layout, clear_checks, layouts, no_layout_message, pipeline_variants, rule_out
 from ._cluster import Cluster
 from ._experts import check_moe
+from ._family import PlanConfig, PlanModel, config_context, config_layers, param_dtype, vocabulary
 from ._predict import clear_caches, layout_specs
 from ._predict_comm import comm_theory, in_dtype
 from ._predict_memory import Memory, memory
@@ -29,7 +30,7 @@ GB = 1e9
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """One layout of a GPT step on a cluster, with what it is predicted to cost.
+    """One layout of a GPT or Llama step on a cluster, with what it is predicted to cost.
 
     - `layout`: an [`eqxpar.plan.Layout`][] (axis sizes, remat, sequence parallelism, attention).
     - `comm`: the step's collectives, an [`eqxpar.inspect.CommTheory`][] (per device, per
@@ -51,7 +52,7 @@ class Plan:
     time: StepTime
     fits: bool
     reason: str
-    config: GPTConfig
+    config: PlanConfig
     vocab_size: int
     batch_size: int
     seq_len: int
@@ -65,9 +66,9 @@ class Plan:
         size-1 axes included), over the first devices of `devices` (default `jax.devices()`)."""
         return build_mesh(self.layout, devices)
 
-    def model(self, key: Any) -> GPT:
-        """The GPT this plan runs (scanned layers, its remat, sequence parallelism and
-        attention), with weights from `key`."""
+    def model(self, key: Any) -> PlanModel:
+        """The GPT or Llama this plan runs (scanned layers, its remat, sequence parallelism
+        and attention), with weights from `key`."""
         return build_model(self, key)
 
     def step(self, optimizer: optax.GradientTransformation, mesh: Any = None, *, precision: Any = None):
@@ -155,14 +156,14 @@ def _check(config, batch, seq, vocab_size, top) -> None:
     for name, value in (("batch", batch), ("seq", seq), ("vocab_size", vocab_size)):
         if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
             raise ValueError(f"plan: {name} must be a positive integer, got {value!r}.")
-    if seq > config.context:
-        raise ValueError(f"plan: seq={seq} is longer than the config's context ({config.context}).")
+    if seq > config_context(config):
+        raise ValueError(f"plan: seq={seq} is longer than the config's context ({config_context(config)}).")
     if top is not None and not (isinstance(top, int) and top > 0):
         raise ValueError(f"plan: top must be a positive integer or None, got {top!r}.")
 
 
 def plan(
-    config: GPTConfig,
+    config: PlanConfig,
     *,
     batch: int,
     cluster: Cluster | str,
@@ -170,8 +171,8 @@ def plan(
     optimizer: Any = "adamw",
     dtype: Any = jnp.bfloat16,
     top: int | None = 5,
-    vocab_size: int = 50257,
-    pad_vocab_to_multiple_of: int = 128,
+    vocab_size: int | None = None,
+    pad_vocab_to_multiple_of: int | None = None,
     remats: Sequence[str] = REMATS,
     axes: Sequence[str] | None = None,
     sequence_parallel: Sequence[bool] = (False, True),
@@ -179,7 +180,7 @@ def plan(
     pipeline: bool | None = None,
     moe: MoEOptions | None = None,
 ) -> list[Plan]:
-    """The fastest layouts of a GPT train step that fit the cluster, best first.
+    """The fastest layouts of a GPT or Llama train step that fit the cluster, best first.
 
     Enumerates every factorisation of the cluster's devices into `stage x data x fsdp x
     context x model`, times remat (`none`, `save_matmuls`, `block`), Megatron sequence
@@ -187,7 +188,8 @@ def plan(
     and for pipelines (`stage > 1`, with `data`, `fsdp` and `model` around it) the schedule
     (`gpipe`, `1f1b`, `circular` with 2 or 4 virtual stages), the micro-batches (`P`, `2P`,
     `4P` or one row each) and the pipeline's remat (`none`, `block`); rules out what the
-    library's own checks refuse (heads, MLP width and vocabulary over `model`, the batch
+    library's own checks refuse (heads, key/value heads, MLP width and vocabulary over
+    `model`, the batch
     over `data x fsdp` and the micro-batches, the sequence over `context`, zigzag chunks,
     sequence parallelism's split, the layers over `stage x virtual stages`, the circular
     schedule's groups); prices each by the exact theories (collective bytes per kind and
@@ -199,7 +201,10 @@ def plan(
 
     **Arguments:**
 
-    - `config`: the GPT's shape, an `eqxpar.models.GPTConfig`.
+    - `config`: the model's shape: an `eqxpar.models.GPTConfig` (e.g.
+      `eqxpar.models.gpt_config("1.3b")`) or an `eqxpar.models.LlamaConfig` (e.g.
+      `eqxpar.models.llama_config("llama-3-8b")`: RMSNorm, rotary embeddings, grouped-query
+      attention, SwiGLU, priced by the Llama's own theories).
     - `batch`: sequences per step (the global batch).
     - `cluster`: an [`eqxpar.plan.Cluster`][] or a preset name (`"h100"`, one host).
     - `seq`: tokens per sequence (default: the config's context).
@@ -207,7 +212,8 @@ def plan(
     - `dtype`: the compute dtype (float32 master weights and optimizer state; `bfloat16`
       matmuls by default).
     - `top`: how many plans to return (None: all).
-    - `vocab_size`, `pad_vocab_to_multiple_of`: the GPT's vocabulary (GPT-2's by default).
+    - `vocab_size`, `pad_vocab_to_multiple_of`: the GPT's vocabulary (GPT-2's 50257, padded
+      to a multiple of 128, by default); a Llama's is its config's, unpadded (leave both out).
     - `remats`: the remat policies to consider.
     - `axes`: the mesh axes a plan may use (default all of `AXES`, and `expert` with `moe`;
       e.g. `("data", "model")` for a recipe that builds only those).
@@ -215,7 +221,7 @@ def plan(
       caller whose model must also run whole sequences, e.g. to sample from it).
     - `include_infeasible`: also return the plans that do not fit (after those that do).
     - `pipeline`: `True` for pipelines only (`stage > 1`), `False` for none, `None` for both.
-    - `moe`: an [`eqxpar.models.MoEOptions`][] with `every=1` to plan the GPT with a
+    - `moe`: an [`eqxpar.models.MoEOptions`][] with `every=1` to plan a GPT with a
       mixture of experts in every block: the layouts of `data x fsdp x expert x model`
       (no context axis, sequence parallelism or pipeline: see docs/concepts/planner.md),
       the experts and the batch split over `expert`.
@@ -230,12 +236,8 @@ def plan(
       batch (naming the smallest batch that one would); if nothing fits in memory (naming
       the smallest memory per device that would do).
     """
-    if not isinstance(config, GPTConfig):
-        raise ValueError(
-            f"plan: config must be an eqxpar.models.GPTConfig (e.g. eqxpar.models.gpt_config('1.3b')), "
-            f"got {type(config).__name__}."
-        )
-    seq = config.context if seq is None else seq
+    vocab_size, pad_vocab_to_multiple_of = vocabulary(config, vocab_size, pad_vocab_to_multiple_of, moe)
+    seq = config_context(config) if seq is None else seq
     _check(config, batch, seq, vocab_size, top)
     if isinstance(cluster, str):
         cluster = _cluster.cluster(cluster)
@@ -257,6 +259,7 @@ def plan(
         raise ValueError(f"plan: axes must be a non-empty subset of {known}, got {tuple(axes)!r}.")
     if moe is not None:
         given = None if axes is None else tuple(axes)
+        assert isinstance(config, GPTConfig)  # vocabulary() refused moe= for a Llama
         check_moe(config, moe, vocab_size, pad_vocab_to_multiple_of, pipeline, given, tuple(sequence_parallel))
     axes = known if axes is None else axes
     opt = _optimizer(optimizer)
@@ -269,7 +272,7 @@ def plan(
             continue
         if pipeline is not None and (base.stage > 1) != pipeline:
             continue
-        for layout in pipeline_variants(base, batch, config.layers) if base.stage > 1 else (base,):
+        for layout in pipeline_variants(base, batch, config_layers(config)) if base.stage > 1 else (base,):
             priced = price(layout, config, batch, seq, cluster, opt, dtype, vocab_size, pad_vocab_to_multiple_of, moe)
             if priced is not None:
                 plans.append(priced)
@@ -306,7 +309,7 @@ def _rank(p: Plan) -> tuple:
 
 def price(
     layout: Layout,
-    config: GPTConfig,
+    config: PlanConfig,
     batch: int,
     seq: int,
     cluster: Cluster,
@@ -318,8 +321,8 @@ def price(
 ) -> Plan | None:
     """The [`eqxpar.plan.Plan`][] for one layout, or None when a divisibility rule rules it out."""
 
-    def gpt_with(remat: str) -> GPT:
-        return abstract_gpt(
+    def gpt_with(remat: str) -> PlanModel:
+        return abstract_model(
             config,
             vocab_size,
             remat=remat,
@@ -344,7 +347,7 @@ def price(
         without_remat = None if layout.remat == "none" else gpt_with("none")  # the recomputed block's working set
         mem = memory(gpt, mesh, layout, specs, optimizer, batch, seq, dtype, cluster.fused_attention, without_remat)
         flops = flops_per_device(gpt, layout, batch, seq)
-    time, _ = step_time(in_dtype(comm, gpt.position_embedding.weight.dtype, dtype), flops, layout, cluster, dtype)
+    time, _ = step_time(in_dtype(comm, param_dtype(gpt), dtype), flops, layout, cluster, dtype)
     return Plan(
         layout=layout,
         comm=comm,

@@ -16,10 +16,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from ..models import GPT
-from ..nn import StackedLayers, partition_specs
+from ..nn import partition_specs
 from ..train import fsdp_specs, optimizer_specs
 from ._candidates import Layout
+from ._family import PlanModel
 
 
 def clear_caches() -> None:
@@ -29,7 +29,7 @@ def clear_caches() -> None:
         cache.clear()
 
 
-def layout_specs(gpt: GPT, mesh: Mesh, layout: Layout) -> Any:
+def layout_specs(gpt: PlanModel, mesh: Mesh, layout: Layout) -> Any:
     """The parameters' specs the layout's step uses: the GPT's tensor-parallel specs, and
     with `fsdp > 1` [`eqxpar.train.fsdp_specs`][] over `fsdp` on top (as `fsdp_step`'s default).
     Cached per GPT and (fsdp, model) sizes: nothing else changes them."""
@@ -39,7 +39,7 @@ def layout_specs(gpt: GPT, mesh: Mesh, layout: Layout) -> Any:
 _SPECS: dict[tuple, Any] = {}
 
 
-def _specs(gpt: GPT, fsdp: int, model: int, mesh: Mesh) -> Any:
+def _specs(gpt: PlanModel, fsdp: int, model: int, mesh: Mesh) -> Any:
     key = (id(gpt), fsdp, model)
     if key not in _SPECS:
         specs = partition_specs(gpt)
@@ -47,12 +47,6 @@ def _specs(gpt: GPT, fsdp: int, model: int, mesh: Mesh) -> Any:
             specs = fsdp_specs(gpt, mesh, batch_axis="fsdp", param_specs=specs)
         _SPECS[key] = (gpt, specs)  # the GPT kept alive with its id
     return _SPECS[key][1]
-
-
-def attention_of(gpt: GPT) -> Any:
-    """The attention of the (stacked) GPT's blocks."""
-    blocks = gpt.blocks
-    return blocks.layers.attention if isinstance(blocks, StackedLayers) else blocks[0].attention
 
 
 def block_bytes(
@@ -115,7 +109,7 @@ def _leaf_table(tree: Any, specs: Any, floating_only: bool) -> list[tuple[tuple[
 _OPTIMIZER: dict[tuple, Any] = {}
 
 
-def optimizer_layout(gpt: GPT, optimizer: Any, specs: Any) -> tuple[Any, Any]:
+def optimizer_layout(gpt: PlanModel, optimizer: Any, specs: Any) -> tuple[Any, Any]:
     """The optimizer state's shapes (once per GPT and optimizer) and specs
     (`eqxpar.train.optimizer_specs`, once per parameter specs too: they are cached)."""
     shapes_key = (id(gpt), id(optimizer))
@@ -128,7 +122,7 @@ def optimizer_layout(gpt: GPT, optimizer: Any, specs: Any) -> tuple[Any, Any]:
     return shapes, _OPTIMIZER[key][-1]
 
 
-def _floating(gpt: GPT) -> Any:
+def _floating(gpt: PlanModel) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(gpt)
     return jax.tree_util.tree_unflatten(
         treedef,

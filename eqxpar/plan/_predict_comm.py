@@ -10,12 +10,13 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
-from ..inspect import CommTheory, TheoryTerm, context_parallel_theory, data_parallel_theory, fsdp_theory
-from ..models import GPT, gpt_tensor_parallel_theory
+from ..inspect import CommTheory, TheoryTerm, data_parallel_theory, fsdp_theory
+from ..models import GPT
 from ._candidates import Layout, used_axes
 from ._cluster import Link
 from ._experts import expert_comm
-from ._predict import attention_of, block_bytes
+from ._family import PlanModel, context_theory, tensor_parallel_theory
+from ._predict import block_bytes
 
 # Bytes over each device's link per byte of the array a collective is defined on (the
 # bytes convention of eqxpar.inspect), for a ring of n devices: an all-reduce is a
@@ -40,7 +41,7 @@ RING_HOPS = {
 }
 
 
-def comm_theory(gpt: GPT, mesh: Mesh, layout: Layout, specs: Any, batch: int, seq: int) -> CommTheory:
+def comm_theory(gpt: PlanModel, mesh: Mesh, layout: Layout, specs: Any, batch: int, seq: int) -> CommTheory:
     """The collectives of the layout's step, by the library's theories:
 
     - without `fsdp`: `data_parallel_theory` over `data` (and `context`, a batch axis for
@@ -48,14 +49,14 @@ def comm_theory(gpt: GPT, mesh: Mesh, layout: Layout, specs: Any, batch: int, se
     - with `fsdp`: `fsdp_theory` over `fsdp`; the gradients it scatters are then summed over
       the other batch axes (`data`, `context`) with one all-reduce of each device's block,
       and the loss's reduction runs over all batch axes together;
-    - `gpt_tensor_parallel_theory` over `model` (with remat when the GPT recomputes), and
-      `context_parallel_theory` over `context`;
+    - the family's tensor-parallel theory over `model` (`gpt_tensor_parallel_theory` or
+      `llama_tensor_parallel_theory`, with the model's remat), and its attention's traffic
+      over `context` (`context_parallel_theory`, `llama_context_parallel_theory`);
     - with an expert axis, `expert` is a batch axis too, and `expert_comm` (`_experts.py`)
       adds the experts' part.
     """
     sizes = layout.sizes
     context_axis = "context" if layout.context > 1 else None
-    remat = layout.remat != "none"
     batch_axes = layout.batch_axes
     every = used_axes((*batch_axes, "context"), sizes)
     if layout.fsdp == 1:
@@ -78,26 +79,15 @@ def comm_theory(gpt: GPT, mesh: Mesh, layout: Layout, specs: Any, batch: int, se
             blocks = block_bytes(gpt, specs, sizes, split_only=True)
             terms.append(TheoryTerm("all-reduce", others, blocks, "gradient blocks summed over the other batch axes"))
         theory = CommTheory(tuple(terms))
-    theory += gpt_tensor_parallel_theory(
-        gpt, mesh, batch, seq, batch_axis=batch_axes, context_axis=context_axis, remat=remat
+    theory += tensor_parallel_theory(
+        gpt, mesh, batch, seq, batch_axis=batch_axes, context_axis=context_axis, remat=layout.remat
     )
     if context_axis:
-        block = attention_of(gpt)
-        theory += context_parallel_theory(
-            mesh,
-            batch=batch,
-            seq_len=seq,
-            num_heads=block.num_heads,
-            head_dim=block.qk_size,
-            num_layers=gpt.num_layers,
-            mode=layout.attention,
-            context_axis="context",
-            batch_axis=batch_axes,
-            model_axis="model",
-            dtype=gpt.position_embedding.weight.dtype,
-            remat=remat,
+        theory += context_theory(
+            gpt, mesh, batch, seq, batch_axis=batch_axes, mode=layout.attention, remat=layout.remat
         )
     if layout.expert is not None:
+        assert isinstance(gpt, GPT)  # plan() refuses moe= for a Llama
         theory = expert_comm(theory, gpt, mesh, layout, specs, batch, seq)
     return theory
 
@@ -124,10 +114,16 @@ def collective_seconds(kind: str, axes: tuple[str, ...], nbytes: int, sizes: dic
 
 
 def in_dtype(comm: CommTheory, param_dtype: Any, dtype: Any) -> CommTheory:
-    """The activation collectives (over `model` and `context`, the all-to-alls over
-    `expert`, and a pipeline's stage outputs: collective-permutes over `stage`) carried in
-    the compute dtype: the theory counts the parameters' dtype; gradients and parameters
-    keep it."""
+    """The activation collectives carried in the compute dtype: the theory counts the
+    parameters' dtype. Scaled: everything over `model` (the Megatron all-reduces, sequence
+    parallelism's gathers and scatters), the context-parallel attention's keys and values
+    over `context`, the all-to-alls over `expert`, a pipeline's stage outputs
+    (collective-permutes over `stage`). Kept: gradient and parameter collectives (all-reduces
+    over the batch axes, `context` among them; FSDP's gathers and scatters) and the terms
+    that travel in float32 whatever the compute dtype (`FLOAT32_TERMS`). Checked against a
+    bfloat16 step's lowered program (tests/test_plan_llama.py); the gradients of the
+    parameters sequence parallelism splits by position (norms, biases: a few KB) are
+    scaled, though some of them travel in float32."""
     ratio = np.dtype(dtype).itemsize / np.dtype(param_dtype).itemsize
     if ratio == 1:
         return comm
@@ -135,7 +131,15 @@ def in_dtype(comm: CommTheory, param_dtype: Any, dtype: Any) -> CommTheory:
     return CommTheory(terms)
 
 
+FLOAT32_TERMS = ("cross-entropy:", "gradient norm:", "ring: K/V gradients (float32)")
+"""The starts of the theories' `what` for terms carried in float32 whatever the compute
+dtype: the vocabulary-parallel cross-entropy's statistics, the gradient norm's partial
+sums, ring attention's key and value gradients (accumulated in float32)."""
+
+
 def _is_activation(t: TheoryTerm) -> bool:
+    if t.what.startswith(FLOAT32_TERMS) or is_parameter_collective(t.kind, t.axes):
+        return False
     if set(t.axes) & {"model", "context"} or t.kind == "all-to-all" and t.axes == ("expert",):
         return True
     return t.kind == "collective-permute" and t.axes == ("stage",) and not t.what.startswith("circular")

@@ -12,10 +12,10 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, PartitionSpec
 
-from ..models import GPT, gpt_activation_theory
 from ._candidates import Layout
 from ._experts import routed_arrays
-from ._predict import attention_of, block_bytes, optimizer_layout
+from ._family import PlanModel, activation_theory, attention_shape, blocks_of, param_dtype, vocab_rows
+from ._predict import block_bytes, optimizer_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,7 @@ class Memory:
 
 
 def memory(
-    gpt: GPT,
+    gpt: PlanModel,
     mesh: Mesh,
     layout: Layout,
     specs: Any,
@@ -53,7 +53,7 @@ def memory(
     seq: int,
     dtype: Any,
     fused_attention: bool = False,
-    gpt_without_remat: GPT | None = None,
+    gpt_without_remat: PlanModel | None = None,
 ) -> Memory:
     """Bytes per device of the layout's step (see [`eqxpar.plan.Memory`][]). With remat,
     `gpt_without_remat` is the same GPT without remat: what one of its blocks keeps is the
@@ -63,7 +63,7 @@ def memory(
     opt_shapes, opt_specs = optimizer_layout(gpt, optimizer, specs)
     opt = block_bytes(opt_shapes, opt_specs, sizes, floating_only=False)
     context_axis = "context" if layout.context > 1 else None
-    activations = gpt_activation_theory(
+    activations = activation_theory(
         gpt, mesh, batch, seq, batch_axis=layout.batch_axes, context_axis=context_axis, dtype=dtype
     )
     saved, per_block = activations.total, activations.per_block
@@ -81,7 +81,7 @@ def memory(
         # CPU validation (0.88-1.09 of the compiled peak, docs/concepts/planner.md) allows.
         if gpt_without_remat is None:
             raise ValueError(f"memory: remat={layout.remat!r} needs gpt_without_remat=, the same GPT without remat.")
-        without_remat = gpt_activation_theory(
+        without_remat = activation_theory(
             gpt_without_remat, mesh, batch, seq, batch_axis=layout.batch_axes, context_axis=context_axis, dtype=dtype
         )
         working = without_remat.per_block
@@ -117,12 +117,12 @@ UNREAD_BIASES = (
 )
 
 
-def _gathered_block_weights(gpt: GPT, specs: Any, sizes: dict[str, int]) -> int:
+def _gathered_block_weights(gpt: PlanModel, specs: Any, sizes: dict[str, int]) -> int:
     """Bytes of one block's gathered weights (its model-axis blocks) that its backward pass
     reads: every array of the block but `UNREAD_BIASES`."""
     whole = {**sizes, "fsdp": 1}
-    paths = jax.tree_util.tree_leaves_with_path(gpt.blocks)
-    spec_leaves = jax.tree.leaves(specs.blocks, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    paths = jax.tree_util.tree_leaves_with_path(blocks_of(gpt))
+    spec_leaves = jax.tree.leaves(blocks_of(specs), is_leaf=lambda x: isinstance(x, PartitionSpec))
     total = 0
     for (path, leaf), spec in zip(paths, spec_leaves, strict=True):
         name = jax.tree_util.keystr(path)
@@ -150,31 +150,30 @@ def _gathered_block_weights(gpt: GPT, specs: Any, sizes: dict[str, int]) -> int:
 WORKING_SET_BLOCKS = 2
 
 
-def logits_gradient_bytes(gpt: GPT, layout: Layout, tokens: int, dtype: Any) -> int:
+def logits_gradient_bytes(gpt: PlanModel, layout: Layout, tokens: int, dtype: Any) -> int:
     """The logits' gradient of this device's `tokens` over its vocabulary block, in the
     compute dtype: the cross-entropy's one-pass backward writes it once, in the logits' dtype."""
-    return tokens * (gpt.padded_vocab_size // layout.model) * np.dtype(dtype).itemsize
+    return tokens * (vocab_rows(gpt) // layout.model) * np.dtype(dtype).itemsize
 
 
-def _fused_attention_change(gpt: GPT, layout: Layout, activations: Any, batch: int, seq: int) -> int:
+def _fused_attention_change(gpt: PlanModel, layout: Layout, activations: Any, batch: int, seq: int) -> int:
     """Per block, what a fused attention kernel (cuDNN's flash attention) keeps beyond the
     theory's XLA attention: its float32 log-sum-exp per query, not the probabilities (0
     for context-parallel attention, which is not fused)."""
     if layout.attention != "dot_product":
         return 0
-    block = attention_of(gpt)
+    heads = attention_shape(gpt).heads
     tokens = batch // layout.batch_shards * seq
     probabilities = sum(t.nbytes for t in activations.terms if t.what == "attention probabilities")
-    return tokens * (block.num_heads // layout.model) * 4 - probabilities
+    return tokens * (heads // layout.model) * 4 - probabilities
 
 
 def _temporaries(
-    gpt: GPT, layout: Layout, specs: Any, params: int, working: int, dtype: Any, batch: int, seq: int
+    gpt: PlanModel, layout: Layout, specs: Any, params: int, working: int, dtype: Any, batch: int, seq: int
 ) -> int:
     sizes = layout.sizes
-    param_dtype = gpt.position_embedding.weight.dtype
     total = params  # gradients
-    if np.dtype(dtype) != np.dtype(param_dtype):
+    if np.dtype(dtype) != np.dtype(param_dtype(gpt)):
         total += block_bytes(gpt, specs, sizes, dtype=dtype)
     if layout.fsdp > 1:
         # The gathered parameters, and their gradient whole before its reduce-scatter.

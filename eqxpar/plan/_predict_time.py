@@ -8,15 +8,15 @@ import math
 from typing import Any
 
 from ..inspect import CommTheory
-from ..models import GPT, gpt_flops_per_token
 from ._candidates import Layout
 from ._cluster import Cluster
 from ._experts import recomputed_expert_flops
-from ._predict import attention_of
+from ._family import PlanModel, attention_shape, vocab_rows, width
+from ._family import flops_per_token as model_flops_per_token
 from ._predict_comm import collective_seconds, is_parameter_collective
 
 
-def flops_per_device(gpt: GPT, layout: Layout, batch: int, seq: int) -> float:
+def flops_per_device(gpt: PlanModel, layout: Layout, batch: int, seq: int) -> float:
     """The FLOPs one device executes in a step: the model FLOPs (`6 N + 12 L T d` per
     token, with the vocabulary padding the program multiplies) over the devices, plus what
     remat recomputes: the blocks' forward pass for `block`, the attention's forward
@@ -32,19 +32,19 @@ def flops_per_device(gpt: GPT, layout: Layout, batch: int, seq: int) -> float:
 _FLOPS: dict[tuple, tuple[int, int, int, int]] = {}
 
 
-def flops_per_token(gpt: GPT, seq: int) -> tuple[int, int, int, int]:
+def flops_per_token(gpt: PlanModel, seq: int) -> tuple[int, int, int, int]:
     """(training, forward, attention forward, head forward) FLOPs per token, once per shape
     (the count unstacks the layers, which is slow for a deep stacked GPT)."""
-    block = attention_of(gpt)
-    dim = gpt.position_embedding.weight.shape[-1]
-    shape = (gpt.padded_vocab_size, gpt.vocab_size, dim, gpt.num_layers, block.num_heads, block.qk_size, seq)
-    key = (*shape, gpt.moe)
+    shape = attention_shape(gpt)
+    dim = width(gpt)
+    vocab = vocab_rows(gpt)
+    key = (type(gpt), vocab, dim, gpt.num_layers, shape, seq, gpt.moe, getattr(gpt, "config", None))
     if key not in _FLOPS:
         _FLOPS[key] = (
-            gpt_flops_per_token(gpt, seq, count_padding=True),
-            gpt_flops_per_token(gpt, seq, backward=False, count_padding=True),
-            4 * gpt.num_layers * seq * block.num_heads * block.qk_size,
-            2 * gpt.padded_vocab_size * dim,
+            model_flops_per_token(gpt, seq),
+            model_flops_per_token(gpt, seq, backward=False),
+            4 * gpt.num_layers * seq * shape.heads * shape.head_dim,
+            2 * vocab * dim,
         )
     return _FLOPS[key]
 
