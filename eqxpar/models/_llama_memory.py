@@ -49,7 +49,7 @@ from .._specs import AxisNames
 from ..inspect import ActivationTerm, ActivationTheory
 from ..nn import StackedLayers
 from ._llama import Llama
-from ._memory import check_activation_step
+from ._memory import cast_values, check_activation_step
 from ._step_sizes import step_sizes
 
 
@@ -124,10 +124,10 @@ def llama_activation_theory(
     # The step casts each parameter whose dtype is not the compute dtype: the cast copies a
     # block's (and the head's) backward pass reads are kept with it.
     block = model.layers.layers if isinstance(model.layers, StackedLayers) else model.layers[0]
-    norm_dtype = np.dtype(block.input_layernorm.weight.dtype)
-    linear_dtype = np.dtype(block.self_attn.q_proj.weight.dtype)
-    linear_values = (dim * (q + 2 * kv) + q * dim + 3 * dim * hidden) if linear_dtype != compute else 0
-    norm_values = 2 * dim if norm_dtype != compute else 0
+    linear_values = cast_values(
+        dtype, (dim * (q + 2 * kv) + q * dim + 3 * dim * hidden, block.self_attn.q_proj.weight.dtype)
+    )
+    norm_values = cast_values(dtype, (2 * dim, block.input_layernorm.weight.dtype))
 
     def per_block(what: str, nbytes: int) -> ActivationTerm:
         return ActivationTerm(what, int(nbytes), layers, in_blocks=True)
@@ -165,15 +165,13 @@ def llama_activation_theory(
             per_block("attention output (output projection input)", t * q * e),
             per_block("SwiGLU gate, up and their product (down projection input)", 3 * t * hidden * e),
         )
-    head_cast = np.dtype(model.head().weight.dtype) != compute
+    head_values = cast_values(dtype, (config.vocab_size // n * dim, model.head().weight.dtype))
     outside = (
         ActivationTerm("rotary angles cos and sin (read by every block)", 2 * s_c * d_h * e),
         ActivationTerm("final RMSNorm: normalised input and 1/root mean square", t_r * (dim * e + f32)),
         ActivationTerm("head input (normalised, gathered)", t * dim * e),
         ActivationTerm("cross-entropy: softmax over this device's vocabulary block", t * (config.vocab_size // n) * e),
-        ActivationTerm(
-            f"the head's weight cast to {compute.name}", config.vocab_size // n * dim * e if head_cast else 0
-        ),
+        ActivationTerm(f"the head's weight cast to {compute.name}", head_values * e),
     )
     terms = tuple(term for term in blocks + outside if term.total)
     return ActivationTheory(terms, layers, model.remat, exact_blocks=model.remat != "none")

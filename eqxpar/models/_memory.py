@@ -18,9 +18,22 @@ with sequence parallelism, `T` without), width `d`, `H` heads of `d_h`, MLP widt
   keys and values), the MLP's hidden layer before and after
   the activation, dropout masks. Autodiff keeps more (the softmax's intermediate values
   and masks), so this is a lower bound.
+- With a `dtype` other than the parameters' (a step with
+  `eqxpar.train.Precision(compute_dtype=dtype)`), each block also keeps the weights it
+  reads as the step cast them, this device's shard, `e` bytes a value (`e` of the compute
+  dtype), under every remat choice: they are the block's inputs. Under `"block"` and
+  `"save_matmuls"` that is every array the recomputation reads, all but the MLP's output
+  bias (which only shifts the block's output): the linear weights (`(4 H d_h d + 2 d h) /
+  N`), the query, key and value biases (`3 H d_h / N`, where the attention has them), the
+  attention's output bias (`d`, likewise: it shifts the residual stream the MLP's norm
+  reads), the MLP's hidden bias (`h / N`) and both layer norms' weights and biases
+  (`4 d`). Under `"none"`, the least the backward pass reads: the linear weights and the
+  layer norms' weights (`2 d`). Under FSDP these are the weights gathered over the FSDP
+  axis: the step keeps their cast copies, not the gathered ones.
 
 Outside the blocks: the final norm, the head's input and the cross-entropy's softmax over
-this device's vocabulary block (the least the backward pass reads).
+this device's vocabulary block (the least the backward pass reads) and, with a cast, the
+final norm's weight and the head's (`d + V d / N`, `V` the padded vocabulary).
 
 A GPT with `moe=`: the batch is split over the expert axis too, so `b` counts the examples
 per device over `data x expert`. An MoE block's attention half keeps the terms above; its
@@ -31,7 +44,10 @@ groups, per auxiliary loss) keeps two float32 constants, four with a z-loss. Und
 `remat="none"` the routed experts' own arrays (router probabilities, dispatched tokens,
 expert hidden layers) are not counted: a lower bound. With `every > 1` the blocks are of
 two kinds: each MLP term counts the blocks of its kind (`num_layers // every` MoE blocks,
-the rest plain), each attention term all of them.
+the rest plain), each attention term all of them. With a cast an MoE block's weights are
+its attention's and norms' (as above), its shared experts' (as the MLP's), its router's
+(`X d` for `X` experts, replicated) and its routed experts' (`3 (X / E) d h_e / N`, `E`
+devices on the expert axis, `h_e` each expert's hidden units), under every remat choice.
 """
 
 from __future__ import annotations
@@ -84,7 +100,8 @@ def gpt_activation_theory(
     - `context_axis`: the axis every sequence is split over (context parallelism): needed
       exactly when the GPT's `attention_impl` is `"ring"` or `"all_gather"`.
     - `dtype`: the dtype the model computes in (default: its parameters' dtype; pass
-      `jnp.bfloat16` for a step with bfloat16 compute).
+      `jnp.bfloat16` for a step with `eqxpar.train.Precision(compute_dtype=jnp.bfloat16)`:
+      each block then also keeps the weights it reads cast to it).
 
     **Returns:**
 
@@ -146,12 +163,16 @@ def gpt_activation_theory(
     block_aux = per_block(
         "MoE auxiliary-loss weight and mean divisor per loss term (float32)", aux_terms * 2 * f32, moe_blocks
     )
+    # A step computing in another dtype casts the parameters: the copies a block's backward
+    # pass reads (its recomputation's inputs under remat) are kept with it.
+    weights = _cast_block_weights(model, mesh, blocks_seen, dtype, n, recomputed=model.remat != "none")
     if model.remat == "block":
-        blocks = (block_input, block_key, block_aux)
+        blocks = (block_input, block_key, *weights, block_aux)
     elif model.remat == "save_matmuls":
         blocks = (
             block_input,
             block_key,
+            *weights,
             per_block("q, k, v (column-parallel outputs)", t * (2 * qk + vo) * e),
             per_block("output projection (partial sums, before the model-axis sum)", t * dim * e),
             *mlp_hidden("MLP hidden layer (column-parallel output)", t * e),
@@ -167,6 +188,7 @@ def gpt_activation_theory(
         if model.attention_impl == "all_gather":  # the whole sequence's keys and values
             gathered = b * seq_len * (qk + vo) * e
         blocks = (
+            *weights,
             per_block("2 layer norms: normalised input and 1/deviation", 2 * t_r * (dim * e + f32)),
             per_block("attention and MLP inputs (normalised, gathered)", 2 * t * dim * e),
             per_block("q, k, v", t * (2 * qk + vo) * e),
@@ -185,9 +207,101 @@ def gpt_activation_theory(
         ActivationTerm(
             "cross-entropy: softmax over this device's vocabulary block", t * (model.padded_vocab_size // n) * e
         ),
+        ActivationTerm(
+            f"the final norm's and head's weights cast to {np.dtype(dtype or jnp.float32).name}",
+            cast_values(dtype, _values(model.final_norm.weight), _values(model.head.weight, n)) * e,
+        ),
     )
     terms = tuple(term for term in blocks + outside if term.total)
     return ActivationTheory(terms, layers, model.remat, exact_blocks=model.remat != "none")
+
+
+def cast_values(dtype: Any, *groups: tuple[int, Any]) -> int:
+    """Of parameter groups `(values, their dtype)`, the values a step with
+    `Precision(compute_dtype=dtype)` casts, whose copies it keeps where the backward pass
+    reads them: those of each group whose dtype is not `dtype` (none for `dtype=None`, a
+    step computing in the parameters' own dtypes). Shared by the GPT's and the Llama's
+    theories."""
+    if dtype is None:
+        return 0
+    return sum(values for values, of in groups if np.dtype(of) != np.dtype(dtype))
+
+
+def _values(array: Any, ways: int = 1, layers: int = 1) -> tuple[int, Any]:
+    """`(values, dtype)` of this device's block of one layer's `array` (split `ways` ways;
+    stacked over `layers` layers); no values for a missing one (`None`)."""
+    if array is None:
+        return 0, np.float32
+    return array.size // layers // ways, array.dtype
+
+
+def _cast_block_weights(
+    model: Any, mesh: Mesh, blocks_seen: tuple[Any, ...], dtype: Any, n: int, *, recomputed: bool
+) -> tuple[ActivationTerm, ...]:
+    """The terms of the cast weights a plain block and an MoE block keep (see the module
+    docs): under remat (`recomputed`) every array the block's recomputation reads, all but
+    the MLP's (or shared experts') output bias; without it the linear weights and the layer
+    norms' weights, which the backward pass reads."""
+    layers = model.num_layers
+    stacked = layers if isinstance(model.blocks, StackedLayers) else 1
+
+    def values(array: Any, ways: int = 1) -> tuple[int, Any]:
+        return _values(array, ways, stacked)
+
+    def read(*arrays: tuple[int, Any], biases: tuple[tuple[int, Any], ...] = ()) -> int:
+        return cast_values(dtype, *arrays, *(biases if recomputed else ()))
+
+    def mlp(m: Any) -> int:
+        if m is None:
+            return 0
+        return read(values(m.hidden.weight, n), values(m.output.weight, n), biases=(values(m.hidden.bias, n),))
+
+    def attention_and_norms(block: Any) -> int:
+        a, norms = block.attention, (block.attention_norm, block.mlp_norm)
+        projections = (a.query_proj, a.key_proj, a.value_proj)
+        return read(
+            *(values(p.weight, n) for p in (*projections, a.output_proj)),
+            *(values(norm.weight) for norm in norms),
+            biases=(
+                *(values(p.bias, n) for p in projections),
+                values(a.output_proj.bias),
+                *(values(norm.bias) for norm in norms),
+            ),
+        )
+
+    moe = getattr(model, "moe", None)
+    moe_blocks = sum(moe.is_moe_block(i) for i in range(layers)) if moe is not None else 0
+    plain = next((b for b in blocks_seen if not isinstance(b, MoEBlock)), None)
+    routed = next((b for b in blocks_seen if isinstance(b, MoEBlock)), None)
+    compute = np.dtype(dtype or np.float32)  # without dtype nothing is cast: every term is 0
+    e, name = compute.itemsize, compute.name
+    terms = []
+    if plain is not None:
+        terms.append(
+            ActivationTerm(
+                f"the block's weights cast to {name} (this device's shard)",
+                (attention_and_norms(plain) + mlp(plain.mlp)) * e,
+                layers - moe_blocks,
+                in_blocks=True,
+            )
+        )
+    if routed is not None:
+        experts = routed.moe
+        ways = mesh.shape.get(experts.axis_name, 1) * n  # experts over the expert axis, hidden units over model
+        kept = read(
+            values(experts.router.weight),
+            *(values(w, ways) for w in (experts.gate, experts.up, experts.down)),
+            biases=(values(experts.router.bias),),
+        )
+        terms.append(
+            ActivationTerm(
+                f"an MoE block's weights cast to {name} (router, experts, shared experts; this device's shard)",
+                (attention_and_norms(routed) + mlp(routed.shared_experts) + kept) * e,
+                moe_blocks,
+                in_blocks=True,
+            )
+        )
+    return tuple(terms)
 
 
 def check_activation_step(who: str, model: Any, sizes: StepSizes, context_axis: str | None) -> bool:
