@@ -100,6 +100,31 @@ def test_one_more_llama_layer_saves_exactly_the_predicted_bytes(name):
     assert saved_bytes(three) - saved_bytes(two) == three.memory.saved_per_block
 
 
+@functools.cache
+def bfloat16_plans(layers: int) -> dict[str, eqxpar.plan.Plan]:
+    config = dataclasses.replace(TINY, num_layers=layers)
+    plans = eqxpar.plan.plan(config, batch=BATCH, cluster=cpu_cluster(), dtype=jnp.bfloat16, top=None, pipeline=False)
+    return {str(p.layout): p for p in plans}
+
+
+@pytest.mark.standard_promotion  # bfloat16 XLA attention (see conftest.py)
+@pytest.mark.parametrize(
+    "name",
+    [
+        # FSDP: each layer keeps its gathered weights' bfloat16 copies (not float32 ones).
+        "fsdp=2,model=4 remat=save_matmuls",
+        # Sequence and context parallelism, the weights' copies split over model.
+        case("data=2,context=2,model=2 remat=block sp ring", default=False),
+    ],
+)
+def test_with_bfloat16_compute_one_more_layer_saves_exactly_the_predicted_bytes(name):
+    """A bfloat16 step keeps each layer's weights cast (this device's copies): counted once,
+    in the saved activations, not again with the temporaries (the peak is the same)."""
+    two, three = bfloat16_plans(2)[name], bfloat16_plans(3)[name]
+    assert two.memory.saved_per_block == three.memory.saved_per_block > 0
+    assert saved_bytes(three) - saved_bytes(two) == three.memory.saved_per_block
+
+
 @pytest.mark.parametrize("name, devices, hosts", [("llama-3.2-1b", 8, 1), ("llama-3-8b", 8, 8)])
 def test_plans_llama_configs_of_real_sizes_from_shapes_alone(name, devices, hosts):
     config = llama_config(name)

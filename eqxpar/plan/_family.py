@@ -192,18 +192,26 @@ def activation_theory(
     context_axis: str | None,
     dtype: Any = None,
 ) -> ActivationTheory:
-    """The family's saved activations per device (and its checks of the sizes), less the
-    parameters' compute-dtype copies: with a compute dtype other than the parameters', the
-    theories count each block's weights cast to it (autodiff keeps them with the block's
-    residuals), which are slices of the one cast copy of the parameters the planner counts
-    with the temporaries (the same buffer, counted once)."""
+    """The family's saved activations per device (and its checks of the sizes). With a
+    compute dtype other than the parameters', they include the parameters' cast copies that
+    autodiff keeps (each block's slice, the head's): see [`parameter_copies`][]."""
     theory = gpt_activation_theory if isinstance(model, GPT) else llama_activation_theory
-    full = theory(model, mesh, batch, seq, batch_axis=batch_axis, context_axis=context_axis, dtype=dtype)
-    return dataclasses.replace(full, terms=tuple(t for t in full.terms if PARAMETER_COPY not in t.what))
+    return theory(model, mesh, batch, seq, batch_axis=batch_axis, context_axis=context_axis, dtype=dtype)
 
 
 PARAMETER_COPY = "cast to"
 """What the activation theories' terms for the parameters' compute-dtype copies say."""
+
+
+def parameter_copies(theory: ActivationTheory) -> ActivationTheory:
+    """The terms of `theory` that are the parameters' compute-dtype copies (slices of the
+    one cast copy of the parameters, the same buffers, which the planner must count once)."""
+    return dataclasses.replace(theory, terms=tuple(t for t in theory.terms if PARAMETER_COPY in t.what))
+
+
+def without_parameter_copies(theory: ActivationTheory) -> ActivationTheory:
+    """`theory` less [`parameter_copies`][]: the activations proper."""
+    return dataclasses.replace(theory, terms=tuple(t for t in theory.terms if PARAMETER_COPY not in t.what))
 
 
 def flops_per_token(model: PlanModel, seq: int, *, backward: bool = True) -> int:

@@ -23,7 +23,16 @@ from ..inspect import CommTheory, TheoryTerm
 from ..nn import partition_specs
 from ..train import fsdp_specs, pipeline_specs
 from ._candidates import Layout, used_axes
-from ._family import PlanModel, activation_theory, blocks_of, param_dtype, stages_of, width, without_blocks
+from ._family import (
+    PlanModel,
+    activation_theory,
+    blocks_of,
+    param_dtype,
+    stages_of,
+    width,
+    without_blocks,
+    without_parameter_copies,
+)
 from ._predict import block_bytes, leaf_blocks, optimizer_layout
 from ._predict_memory import WORKING_SET_BLOCKS, Memory, logits_gradient_bytes
 from ._predict_time import flops_per_token
@@ -229,7 +238,11 @@ def pipeline_memory(
     params = block_bytes(gpt, specs, sizes)
     opt_shapes, opt_specs = optimizer_layout(gpt, optimizer, specs)
     opt = block_bytes(opt_shapes, opt_specs, sizes, floating_only=False)
-    activations = activation_theory(gpt, mesh, batch // M, seq, batch_axis=BATCH_AXES, context_axis=None, dtype=dtype)
+    # Activations proper: the weights' cast copies count once, with the temporaries' cast
+    # copy of the parameters, not once per tick (the ticks run the same weights).
+    activations = without_parameter_copies(
+        activation_theory(gpt, mesh, batch // M, seq, batch_axis=BATCH_AXES, context_axis=None, dtype=dtype)
+    )
     chunk = gpt.num_layers // (P * r)
     outside = activations.total - gpt.num_layers * activations.per_block
     tick = chunk * activations.per_block + outside

@@ -14,7 +14,16 @@ from jax.sharding import Mesh, PartitionSpec
 
 from ._candidates import Layout
 from ._experts import routed_arrays
-from ._family import PlanModel, activation_theory, attention_shape, blocks_of, param_dtype, vocab_rows
+from ._family import (
+    PlanModel,
+    activation_theory,
+    attention_shape,
+    blocks_of,
+    param_dtype,
+    parameter_copies,
+    vocab_rows,
+    without_parameter_copies,
+)
 from ._predict import block_bytes, optimizer_layout
 
 
@@ -66,7 +75,12 @@ def memory(
     activations = activation_theory(
         gpt, mesh, batch, seq, batch_axis=layout.batch_axes, context_axis=context_axis, dtype=dtype
     )
+    # With a cast, the theory's total includes the parameters' compute-dtype copies autodiff
+    # keeps (each block's slice; under FSDP the gathered weights, cast): slices of the cast
+    # copy the temporaries count, so they move from there to here.
+    copies = parameter_copies(activations)
     saved, per_block = activations.total, activations.per_block
+    activations = without_parameter_copies(activations)  # the working set: activations proper
     if fused_attention and layout.remat == "none":
         fused = _fused_attention_change(gpt, layout, activations, batch, seq)
         per_block += fused
@@ -81,8 +95,16 @@ def memory(
         # CPU validation (0.88-1.09 of the compiled peak, docs/concepts/planner.md) allows.
         if gpt_without_remat is None:
             raise ValueError(f"memory: remat={layout.remat!r} needs gpt_without_remat=, the same GPT without remat.")
-        without_remat = activation_theory(
-            gpt_without_remat, mesh, batch, seq, batch_axis=layout.batch_axes, context_axis=context_axis, dtype=dtype
+        without_remat = without_parameter_copies(
+            activation_theory(
+                gpt_without_remat,
+                mesh,
+                batch,
+                seq,
+                batch_axis=layout.batch_axes,
+                context_axis=context_axis,
+                dtype=dtype,
+            )
         )
         working = without_remat.per_block
         if fused_attention:
@@ -94,15 +116,17 @@ def memory(
         per_block += routed
         saved += gpt.num_layers * routed
     weights = 0
-    if layout.fsdp > 1 and layout.remat != "none":
+    if layout.fsdp > 1 and layout.remat != "none" and not copies.terms:
         # Under FSDP each block's backward pass reads its gathered weights: autodiff keeps
         # them with the block's residuals (the same buffers the temporaries count as the
-        # gathered parameters, so they move from there to here).
+        # gathered parameters, so they move from there to here). With a cast it keeps
+        # their cast copies instead, which the theory counts (`copies`).
         weights = _gathered_block_weights(gpt, specs, layout.sizes)
         per_block += weights
         saved += gpt.num_layers * weights
     temporaries = _temporaries(gpt, layout, specs, params, working, dtype, batch, seq)
-    return Memory(params, opt, saved, temporaries + routed - gpt.num_layers * weights, per_block)
+    moved = gpt.num_layers * weights + copies.total
+    return Memory(params, opt, saved, temporaries + routed - moved, per_block)
 
 
 # The blocks' parameters a block's backward pass does not read (each only shifts an output
