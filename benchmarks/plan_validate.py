@@ -1,7 +1,9 @@
-"""Benchmark: every layout the planner enumerates for a GPT, compiled on simulated CPU devices.
+"""Benchmark: every layout the planner enumerates for a GPT or a Llama, compiled on simulated CPU devices.
 
 For each candidate of `eqxpar.plan.plan` (a GPT of the given shape, float32, AdamW, on 8
-simulated CPU devices; pipelines with `--pipeline`, experts with `--experts`), this builds
+simulated CPU devices; pipelines with `--pipeline`, experts with `--experts`; with
+`--llama` a Llama of that width, heads and depth, `--kv-heads` key/value heads and a
+SwiGLU MLP of 3 x the width), this builds
 the plan's own mesh, model and step, compiles it (`eqxpar.plan.validate`; nothing runs) and
 prints one row per candidate: whether the collective bytes per (kind, axes) and the
 parameter + optimizer-state bytes equal the prediction, and the compiled peak
@@ -11,7 +13,7 @@ largest of those ratios. `--out` writes every row as JSON.
 The peak is the planner's estimate (its temporaries calibrated on GPU steps), so its ratio
 is what this measures; the bytes are exact, so anything but "exact" there is a bug.
 
-Run: `python benchmarks/plan_validate.py` (a GPT of 4 blocks of width 256, 16 sequences of
+Run: `python benchmarks/plan_validate.py` (`--llama` for the Llama; a GPT of 4 blocks of width 256, 16 sequences of
 256 tokens: 132 candidates, about 10 minutes on two cores), or a sample:
 `python benchmarks/plan_validate.py --dim 128 --layers 2 --context 512 --batch 8 --sample 0.3`.
 """
@@ -38,6 +40,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--pipeline", action="store_true", help="the pipeline candidates (stage > 1) instead")
     parser.add_argument("--experts", type=int, default=0, help="plan an MoE GPT with this many experts (top-2)")
+    parser.add_argument("--llama", action="store_true", help="plan a Llama (RMSNorm, RoPE, GQA, SwiGLU) instead")
+    parser.add_argument("--kv-heads", type=int, default=4, help="the Llama's key/value heads")
     parser.add_argument("--sample", type=float, default=1.0, help="fraction of the candidates to compile (seeded)")
     parser.add_argument("--out", default=None, help="write every row as JSON here")
     args = parser.parse_args(argv)
@@ -48,9 +52,24 @@ def main(argv=None) -> dict:
     import jax.numpy as jnp
 
     import eqxpar.plan as planner
-    from eqxpar.models import GPTConfig, MoEOptions
+    from eqxpar.models import GPTConfig, LlamaConfig, MoEOptions
 
-    config = GPTConfig(context=args.context, dim=args.dim, heads=args.heads, layers=args.layers)
+    if args.llama and args.experts:
+        parser.error("--experts plans an MoE GPT; the planner prices no MoE Llama")
+    if args.llama:
+        config = LlamaConfig(
+            vocab_size=args.vocab,
+            dim=args.dim,
+            num_layers=args.layers,
+            num_heads=args.heads,
+            num_kv_heads=args.kv_heads,
+            hidden_dim=3 * args.dim,
+            max_seq_len=args.context,
+        )
+        vocabulary = {}  # a Llama's is its config's
+    else:
+        config = GPTConfig(context=args.context, dim=args.dim, heads=args.heads, layers=args.layers)
+        vocabulary = {"vocab_size": args.vocab}
     machine = planner.Cluster(
         devices_per_host=args.devices,
         hosts=1,
@@ -67,10 +86,10 @@ def main(argv=None) -> dict:
         cluster=machine,
         dtype=jnp.float32,
         optimizer="adamw",
-        vocab_size=args.vocab,
         top=None,
         pipeline=args.pipeline,  # True: only pipelines
         moe=moe,
+        **vocabulary,
     )
     chosen = random.Random(0).sample(plans, max(1, round(args.sample * len(plans))))
     print(f"{len(chosen)} of {len(plans)} candidates of {config}, batch {args.batch}, on {args.devices} devices")
