@@ -13,13 +13,16 @@ and values over `model`) and one pipeline; `HYPOTHESIS_PROFILE=thorough` compile
 import dataclasses
 import functools
 
+import equinox as eqx
+import jax
 import jax.numpy as jnp
 import pytest
 from _budget import case
 from test_plan import cpu_cluster, saved_bytes
 
 import eqxpar.plan
-from eqxpar.models import LlamaConfig, MoEOptions, llama_config
+from eqxpar.models import Llama, LlamaConfig, MoEOptions, llama_config
+from eqxpar.plan._abstract import abstract_llama
 
 # Grouped-query attention (8 query heads over 4 key/value heads), tied embeddings off.
 TINY = LlamaConfig(vocab_size=64, dim=32, num_layers=2, num_heads=8, num_kv_heads=4, hidden_dim=48, max_seq_len=16)
@@ -132,18 +135,11 @@ def test_with_bfloat16_compute_one_more_layer_saves_exactly_the_predicted_bytes(
     assert saved_bytes(three) - saved_bytes(two) == three.memory.saved_per_block
 
 
-# The 8B with `block` only (each remat x SP x attention variant builds the 32-layer model's
-# shapes; nothing else fits it: docs/concepts/planner.md).
-@pytest.mark.parametrize(
-    "name, devices, hosts, remats",
-    [("llama-3.2-1b", 8, 1, eqxpar.plan.REMATS), ("llama-3-8b", 8, 1, ("block",))],
-)
-def test_plans_llama_configs_of_real_sizes_from_shapes_alone(name, devices, hosts, remats):
+@pytest.mark.parametrize("name, devices, hosts", [("llama-3.2-1b", 8, 1), ("llama-3-8b", 8, 8)])
+def test_plans_llama_configs_of_real_sizes_from_shapes_alone(name, devices, hosts):
     config = llama_config(name)
     machine = eqxpar.plan.cluster("h100", hosts=hosts)
-    plans = eqxpar.plan.plan(
-        config, batch=devices * hosts * 4, seq=4096, cluster=machine, top=3, pipeline=False, remats=remats
-    )
+    plans = eqxpar.plan.plan(config, batch=devices * hosts * 4, seq=4096, cluster=machine, top=3, pipeline=False)
     assert plans and all(p.fits and p.layout.devices == devices * hosts for p in plans)
     for p in plans:
         assert config.num_kv_heads % p.layout.model == 0
@@ -182,3 +178,27 @@ def test_bfloat16_plans_price_what_the_step_sends_in_each_dtype():
         assert row.lowered == priced[(row.kind, row.axes)], (row, str(v.comm))
         assert row.compiled == row.theory, (row, str(v.comm))
     assert priced[("all-reduce", ("data", "context"))] == p.comm.traffic()[("all-reduce", ("data", "context"))]
+
+
+@pytest.mark.parametrize(
+    "remat, sequence_parallel, attention", [("block", True, "ring"), ("none", False, "all_gather")]
+)
+def test_the_abstract_llama_is_the_llama_built_whole(remat, sequence_parallel, attention):
+    """The planner builds one layer and stacks it (fast for 32 layers), then puts the whole
+    config back: the same tree, static fields and leaf shapes as building every layer."""
+    config = dataclasses.replace(TINY, num_layers=3, tie_embeddings=True)
+    fast = abstract_llama(config, remat=remat, sequence_parallel=sequence_parallel, attention_impl=attention)
+    whole = eqx.filter_eval_shape(
+        lambda: Llama(
+            config,
+            scan_layers=True,
+            remat=remat,
+            sequence_parallel=sequence_parallel,
+            attention_impl=attention,
+            key=jax.random.key(0),
+        )
+    )
+    fast_leaves, fast_tree = jax.tree.flatten(fast)
+    whole_leaves, whole_tree = jax.tree.flatten(whole)
+    assert fast_tree == whole_tree and fast.config == config and fast.num_layers == 3
+    assert [(x.shape, x.dtype) for x in fast_leaves] == [(x.shape, x.dtype) for x in whole_leaves]
