@@ -66,7 +66,10 @@ def step_sizes(
         raise ValueError(
             f"{who}: batch_size must be a positive multiple of the {replicas} batch shards, got {batch_size!r}."
         )
-    longest, what = (model.context_length, "context") if family is GPT else (model.config.max_seq_len, "max_seq_len")
+    if isinstance(model, GPT):
+        longest, what = model.context_length, "context"
+    else:
+        longest, what = model.config.max_seq_len, "max_seq_len"
     if not (isinstance(seq_len, int) and 0 < seq_len <= longest and seq_len % contexts == 0):
         raise ValueError(
             f"{who}: seq_len must be in 1..{longest} (the {name}'s {what}) and split over the "
