@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import pytest
 from _budget import case
 from test_plan import cpu_cluster, saved_bytes
-from test_plan_validate import check_compiled
+from test_plan_validate import check_bfloat16_prices, check_compiled
 
 import eqxpar.plan
 from eqxpar.models import Llama, LlamaConfig, MoEOptions, llama_config
@@ -167,14 +167,7 @@ def test_bfloat16_plans_price_what_the_step_sends_in_each_dtype():
     `context` (ring). (The CPU compiler carries bfloat16 collectives in float32, so the
     compiled program equals `plan.comm`, the float32 theory, instead.)"""
     p = bfloat16_plans(TINY.num_layers, ("data", "context", "model"))["data=2,context=2,model=2 remat=block sp ring"]
-    (v,) = eqxpar.plan.validate([p])
-    priced = p.comm_in_dtype().traffic()
-    assert {(row.kind, row.axes) for row in v.comm.rows} == set(priced)
-    for row in v.comm.rows:
-        assert row.lowered == priced[(row.kind, row.axes)], (row, str(v.comm))
-        assert row.compiled == row.theory, (row, str(v.comm))
-    assert v.state_exact, (v.plan.memory, v.memory)
-    assert priced[("all-reduce", ("data", "context"))] == p.comm.traffic()[("all-reduce", ("data", "context"))]
+    check_bfloat16_prices(p)
 
 
 @pytest.mark.parametrize(

@@ -73,6 +73,43 @@ def check_compiled(name: str, plan: eqxpar.plan.Plan) -> None:
     assert name in eqxpar.plan.validation_table([v])
 
 
+def check_bfloat16_prices(plan: eqxpar.plan.Plan) -> None:
+    """Compile a bfloat16 `plan`: its `comm_in_dtype()` equals the lowered program per
+    (kind, axes), each collective in the dtype it travels in (the CPU compiler then carries
+    bfloat16 collectives in float32, so the compiled program equals `plan.comm`, the
+    float32 theory); state bytes exact; gradient sums over the batch axes in float32."""
+    (v,) = eqxpar.plan.validate([plan])
+    priced = plan.comm_in_dtype().traffic()
+    assert {(row.kind, row.axes) for row in v.comm.rows} == set(priced)
+    for row in v.comm.rows:
+        assert row.lowered == priced[(row.kind, row.axes)], (row, str(v.comm))
+        assert row.compiled == row.theory, (row, str(v.comm))
+    assert v.state_exact, (plan.memory, v.memory)
+    gradients = ("all-reduce", ("data", "context"))
+    assert priced[gradients] == plan.comm.traffic()[gradients] > 0
+
+
+def test_bfloat16_plans_price_what_the_step_sends_in_each_dtype():
+    """The GPT under data x context x model with sequence parallelism and ring attention,
+    in bfloat16: activations over model and context in bfloat16; the gradients, the
+    cross-entropy statistics, ring attention's key/value gradients and, under sequence
+    parallelism, the layer norms' and position rows' gradients in float32 (the MLP output
+    biases' in bfloat16)."""
+    plans = eqxpar.plan.plan(
+        SMALL,
+        batch=BATCH,
+        cluster=cpu_cluster(),
+        dtype=jnp.bfloat16,
+        vocab_size=VOCAB,
+        pad_vocab_to_multiple_of=PAD,
+        top=None,
+        axes=("data", "context", "model"),
+        remats=("block",),
+    )
+    (p,) = [p for p in plans if str(p.layout) == "data=2,context=2,model=2 remat=block sp ring"]
+    check_bfloat16_prices(p)
+
+
 EXACT_BLOCKS = [n for n in EVERY if " remat=none" not in n]
 DEFAULT_BLOCKS = (
     "data=2,model=4 remat=block",

@@ -97,7 +97,9 @@ def gpt_tensor_parallel_theory(
         # whole sequence (each device reads some of them).
         block = model.blocks.layers if model.scan_layers else model.blocks[0]
         biases = blocks * dim if block.mlp.use_bias else 0
-        params = (2 * (2 * blocks + 1) * dim + biases + seq_len * dim) * itemsize
+        # The layer norms compute in float32, and the position rows are gathered from a
+        # float32 table: their gradients travel in float32 whatever the compute dtype.
+        float32 = (2 * (2 * blocks + 1) * dim + seq_len * dim) * itemsize
         return megatron_sequence_parallel(
             mesh,
             model.axis_name,
@@ -109,8 +111,10 @@ def gpt_tensor_parallel_theory(
             tokens,
             batch_axis=batch_axis,
             context_axis=context_axis,
-            params=params,
-            params_what="layer norms, MLP output biases, position rows",
+            params=biases * itemsize,
+            params_what="MLP output biases",
+            float32_params=float32,
+            float32_params_what="layer norms and position rows",
             remat=remat,
         )
     return megatron_all_reduces(
@@ -154,6 +158,8 @@ def megatron_sequence_parallel(
     params: int,
     params_what: str,
     remat: bool,
+    float32_params: int = 0,
+    float32_params_what: str = "",
     rescattered: bool = True,
 ) -> CommTheory:
     """The collectives over the model axis of a transformer split the Megatron way with
@@ -162,10 +168,12 @@ def megatron_sequence_parallel(
     global batch of `batch_size` sequences of `seq_len`): the layers' residual traffic
     (`eqxpar.inspect.sequence_parallel_theory`), the embedding's reduce-scatter and the
     head's all-gather with their transposes, the all-reduce of the `params` bytes of
-    gradients of the parameters that see only this device's positions (`params_what`),
-    the cross-entropy's three per-token statistics, and under `remat` each layer's
-    attention and MLP input all-gathers again, with its attention output reduce-scatter
-    unless `rescattered` is False (the compiled program then reuses the forward pass's)."""
+    gradients of the parameters that see only this device's positions (`params_what`;
+    those whose gradients travel in float32 whatever the compute dtype as their own term,
+    `float32_params` bytes of `float32_params_what`), the cross-entropy's three per-token
+    statistics, and under `remat` each layer's attention and MLP input all-gathers again,
+    with its attention output reduce-scatter unless `rescattered` is False (the compiled
+    program then reuses the forward pass's)."""
     blocks = sequence_parallel_theory(
         mesh,
         batch=batch_size,
@@ -189,6 +197,7 @@ def megatron_sequence_parallel(
             "reduce-scatter", axes, 2 * stream, "SP: the embedding's output (fwd), the head's input gradient (bwd)"
         )
         + theory_term("all-reduce", axes, params, f"SP: gradients of {params_what}")
+        + theory_term("all-reduce", axes, float32_params, f"SP: gradients of {float32_params_what} (float32)")
         + theory_term(
             "all-reduce", axes, 3 * tokens * itemsize, "cross-entropy: max, sum of exponentials, target logit"
         )

@@ -145,7 +145,8 @@ def expert_comm(
         tokens = batch // layout.batch_shards * seq
         layers = gpt.num_layers
         weights = layers * tokens * moe.top_k * np.dtype(np.float32).itemsize
-        terms += theory_term("all-reduce", ("model",), weights, "MoE routing weights' gradient (top_k per token)")
+        what = "MoE routing weights' gradient, top_k per token (float32)"
+        terms += theory_term("all-reduce", ("model",), weights, what)
         if moe.shared_experts:
             stream = 2 * layers * tokens * dim * np.dtype(dtype).itemsize
             terms += theory_term("all-reduce", ("model",), stream, "shared experts: output (fwd), input gradient (bwd)")

@@ -46,7 +46,8 @@ def vocabulary(config: Any, vocab_size: Any, pad: Any, moe: Any) -> tuple[int, i
     """`plan`'s (vocabulary, padding) for `config`: for a GPT, the given ones (GPT-2's
     50257 padded to a multiple of 128 by default); for a Llama its config's own, unpadded.
     A `ValueError` for a config of neither family, or for a Llama given another
-    vocabulary, a padding or `moe=` (the planner prices MoE GPTs only)."""
+    vocabulary, a padding (1, a plan's own value for a Llama, is none) or `moe=` (the
+    planner prices MoE GPTs only)."""
     if isinstance(config, GPTConfig):
         return (GPT2_VOCAB if vocab_size is None else vocab_size, GPT_VOCAB_PADDING if pad is None else pad)
     if not isinstance(config, LlamaConfig):
@@ -60,7 +61,7 @@ def vocabulary(config: Any, vocab_size: Any, pad: Any, moe: Any) -> tuple[int, i
             f"plan: a Llama's config holds its vocabulary (vocab_size={config.vocab_size}); got "
             f"vocab_size={vocab_size!r}: leave it out, or build the LlamaConfig with that vocabulary."
         )
-    if pad is not None:
+    if pad not in (None, 1):
         raise ValueError(
             f"plan: pad_vocab_to_multiple_of={pad!r} is the GPT's option: a Llama's vocabulary is not padded "
             f"(the model axis must divide vocab_size={config.vocab_size}); leave it out."
@@ -74,6 +75,7 @@ def vocabulary(config: Any, vocab_size: Any, pad: Any, moe: Any) -> tuple[int, i
 
 
 def config_layers(config: PlanConfig) -> int:
+    """The config's number of blocks (layers)."""
     return config.layers if isinstance(config, GPTConfig) else config.num_layers
 
 
@@ -127,6 +129,8 @@ class AttentionShape:
 
 
 def attention_shape(model: PlanModel) -> AttentionShape:
+    """The attention's shape, read off the model's (stacked) blocks: the GPT's key/value
+    heads are its query heads."""
     blocks = blocks_of(model)
     block = blocks.layers if isinstance(blocks, StackedLayers) else blocks[0]
     if isinstance(model, GPT):

@@ -169,11 +169,23 @@ def pipeline_comm(gpt: PlanModel, layout: Layout, specs: Any, batch: int, seq: i
         backward = 2 * chunk * stream + stream
         if layout.schedule == "1f1b":
             model_bytes = ticks_f * (forward - cross_entropy) + ticks_b * (forward + backward)
+            statistics = ticks_b * cross_entropy
         else:
             model_bytes = ticks_f * forward + ticks_b * backward
+            statistics = ticks_f * cross_entropy
             if layout.remat == "block":
                 model_bytes += ticks_b * forward
-        terms.append(TheoryTerm("all-reduce", ("model",), model_bytes, f"tensor parallelism, {chunk} blocks per tick"))
+                statistics += ticks_b * cross_entropy
+        terms.append(
+            TheoryTerm(
+                "all-reduce", ("model",), model_bytes - statistics, f"tensor parallelism, {chunk} blocks per tick"
+            )
+        )
+        terms.append(
+            TheoryTerm(
+                "all-reduce", ("model",), statistics, "cross-entropy: max, sum of exponentials, target logit per tick"
+            )
+        )
     return CommTheory(tuple(t for t in terms if t.axes and t.bytes))
 
 

@@ -85,10 +85,11 @@ class Plan:
         return build_batch(self.layout, tokens, mesh)
 
     def comm_in_dtype(self) -> CommTheory:
-        """`comm` as the step's time prices it: the activation collectives (over `model` and
-        `context`, the all-to-alls over `expert`) carried in the compute dtype, the gradient
-        and parameter collectives in float32. The same as `comm` for float32 compute; with
-        bfloat16 an approximation (see docs/concepts/planner.md)."""
+        """`comm` as the step's time prices it, each collective in the dtype it travels in:
+        the activation collectives (over `model` and `context`, the all-to-alls over
+        `expert`) in the compute dtype; gradients, parameters and the float32 statistics in
+        float32. The same as `comm` for float32 compute; for bfloat16 it equals the step's
+        lowered program per (kind, axes) (docs/concepts/planner.md says where not)."""
         return in_dtype(self.comm, np.float32, self.dtype)
 
     def row(self, seconds: float = 1e-3, nbytes: float = GB) -> tuple[str, ...]:
@@ -100,7 +101,7 @@ class Plan:
             f"{t.expected / seconds:.1f}",
             f"{t.overlap / seconds:.1f}-{t.no_overlap / seconds:.1f}",
             f"{t.compute / seconds:.1f}",
-            f"{self.comm.bytes() / nbytes:.2f}",
+            f"{self.comm_in_dtype().bytes() / nbytes:.2f}",
             f"{m.peak / nbytes:.1f}",
             self.reason,
         )
@@ -369,7 +370,7 @@ def price(
 
 def _reason(p: Plan, index: int, ranked: list[Plan], cluster: Cluster) -> str:
     t = p.time
-    _, classes = step_time(p.comm, p.flops, p.layout, cluster, p.dtype)
+    _, classes = step_time(p.comm_in_dtype(), p.flops, p.layout, cluster, p.dtype)
     share = t.compute / t.expected if t.expected else 1.0
     memory = _peak_text(p.memory.peak, cluster.memory_per_device)
     if not p.fits:

@@ -121,9 +121,7 @@ def in_dtype(comm: CommTheory, param_dtype: Any, dtype: Any) -> CommTheory:
     (collective-permutes over `stage`). Kept: gradient and parameter collectives (all-reduces
     over the batch axes, `context` among them; FSDP's gathers and scatters) and the terms
     that travel in float32 whatever the compute dtype (`FLOAT32_TERMS`). Checked against a
-    bfloat16 step's lowered program (tests/test_plan_llama.py); the gradients of the
-    parameters sequence parallelism splits by position (norms, biases: a few KB) are
-    scaled, though some of them travel in float32."""
+    bfloat16 step's lowered program (tests/test_plan_llama.py, tests/test_plan_validate.py)."""
     ratio = np.dtype(dtype).itemsize / np.dtype(param_dtype).itemsize
     if ratio == 1:
         return comm
@@ -131,14 +129,16 @@ def in_dtype(comm: CommTheory, param_dtype: Any, dtype: Any) -> CommTheory:
     return CommTheory(terms)
 
 
-FLOAT32_TERMS = ("cross-entropy:", "gradient norm:", "ring: K/V gradients (float32)")
+FLOAT32_TERMS = ("cross-entropy:", "gradient norm:")
 """The starts of the theories' `what` for terms carried in float32 whatever the compute
-dtype: the vocabulary-parallel cross-entropy's statistics, the gradient norm's partial
-sums, ring attention's key and value gradients (accumulated in float32)."""
+dtype: the vocabulary-parallel cross-entropy's statistics and the gradient norm's partial
+sums; besides them, every term whose `what` says `(float32)` (ring attention's key and
+value gradients, the GPT's layer-norm and position-row gradients under sequence
+parallelism, the MoE routing weights' gradient)."""
 
 
 def _is_activation(t: TheoryTerm) -> bool:
-    if t.what.startswith(FLOAT32_TERMS) or is_parameter_collective(t.kind, t.axes):
+    if t.what.startswith(FLOAT32_TERMS) or "(float32)" in t.what or is_parameter_collective(t.kind, t.axes):
         return False
     if set(t.axes) & {"model", "context"} or t.kind == "all-to-all" and t.axes == ("expert",):
         return True
