@@ -106,14 +106,15 @@ def preempt(recipe, nproc, directory, metrics):
             proc.wait()
 
 
-# Heavy variants (make test time): one process of multihost, and hybrid_gpt in one process,
-# whose path (SIGTERM, save the current step, exit 143, resume bitwise) the pipeline recipe's
-# SIGTERM test in tests/test_recipe_resume_all.py runs by default; two processes run here.
+# Heavy variants (make test time, 34 s for two processes): every one runs under thorough.
+# By default the path (SIGTERM, save the current step, exit 143, resume bitwise) runs in the
+# pipeline recipe's SIGTERM test in tests/test_recipe_resume_all.py, and two processes
+# resume the multihost recipe in tests/test_checkpoint_multiprocess.py.
 @pytest.mark.parametrize(
     "recipe, nproc",
     [
         pytest.param("multihost", 1, marks=pytest.mark.thorough),
-        ("multihost", 2),
+        pytest.param("multihost", 2, marks=pytest.mark.thorough),
         pytest.param("hybrid_gpt", 1, marks=pytest.mark.thorough),
     ],
 )

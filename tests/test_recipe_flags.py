@@ -412,7 +412,8 @@ ONE_DEVICE_SCRIPT = textwrap.dedent(
 # of this fixture's 48 s on the CI machine's two cores) runs under HYPOTHESIS_PROFILE=thorough;
 # tests/test_your_model_recipe.py runs that recipe by default, and every other recipe here
 # shows that `--devices 1` reaches the recipes' shared mesh and flag code.
-ONE_DEVICE_DEFAULT = [name for name in NAMES if THOROUGH or name != "your_model"]
+# llama: tests/test_llama_recipe.py runs it on one device by default.
+ONE_DEVICE_DEFAULT = [name for name in NAMES if THOROUGH or name not in ("your_model", "llama")]
 
 
 @pytest.fixture(scope="module")

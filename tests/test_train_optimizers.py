@@ -76,7 +76,7 @@ def reference_run(model, batches, optimizer):
     return model, losses, norms
 
 
-@examples(2)  # more under HYPOTHESIS_PROFILE=thorough
+@examples(1)  # more under HYPOTHESIS_PROFILE=thorough
 @given(
     data=st.data(),
     strategy=st.sampled_from(STRATEGIES),
