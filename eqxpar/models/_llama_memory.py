@@ -165,7 +165,10 @@ def llama_activation_theory(
             per_block("attention output (output projection input)", t * q * e),
             per_block("SwiGLU gate, up and their product (down projection input)", 3 * t * hidden * e),
         )
-    head_values = cast_values(dtype, (config.vocab_size // n * dim, model.head().weight.dtype))
+    # The head's weight: lm_head's, or with tied embeddings the token table (read directly:
+    # `model.head()` builds a layer, which the planner would pay for in every call).
+    head = model.embed_tokens if model.lm_head is None else model.lm_head
+    head_values = cast_values(dtype, (config.vocab_size // n * dim, head.weight.dtype))
     outside = (
         ActivationTerm("rotary angles cos and sin (read by every block)", 2 * s_c * d_h * e),
         ActivationTerm("final RMSNorm: normalised input and 1/root mean square", t_r * (dim * e + f32)),
