@@ -162,11 +162,11 @@ def tensor_parallel_theory(
 
 
 def context_theory(
-    model: PlanModel, mesh: Mesh, batch: int, seq: int, *, batch_axis: AxisNames, mode: str, remat: str
+    model: PlanModel, mesh: Mesh, batch: int, seq: int, *, batch_axis: AxisNames, remat: str
 ) -> CommTheory:
     """The attention's traffic over the `context` axis: [`eqxpar.inspect.context_parallel_theory`][]
-    with the GPT's heads, or [`eqxpar.models.llama_context_parallel_theory`][] (the Llama's
-    keys and values travel repeated to its query heads)."""
+    with the GPT's heads and attention, or [`eqxpar.models.llama_context_parallel_theory`][]
+    (the Llama's keys and values travel repeated to its query heads)."""
     if not isinstance(model, GPT):
         return llama_context_parallel_theory(model, mesh, batch, seq, batch_axis=batch_axis, remat=remat)
     shape = attention_shape(model)
@@ -177,7 +177,7 @@ def context_theory(
         num_heads=shape.heads,
         head_dim=shape.head_dim,
         num_layers=model.num_layers,
-        mode=mode,
+        mode=model.attention_impl,
         context_axis="context",
         batch_axis=batch_axis,
         model_axis="model",

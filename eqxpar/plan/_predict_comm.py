@@ -83,9 +83,7 @@ def comm_theory(gpt: PlanModel, mesh: Mesh, layout: Layout, specs: Any, batch: i
         gpt, mesh, batch, seq, batch_axis=batch_axes, context_axis=context_axis, remat=layout.remat
     )
     if context_axis:
-        theory += context_theory(
-            gpt, mesh, batch, seq, batch_axis=batch_axes, mode=layout.attention, remat=layout.remat
-        )
+        theory += context_theory(gpt, mesh, batch, seq, batch_axis=batch_axes, remat=layout.remat)
     if layout.expert is not None:
         assert isinstance(gpt, GPT)  # plan() refuses moe= for a Llama
         theory = expert_comm(theory, gpt, mesh, layout, specs, batch, seq)
