@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 import eqxpar
 from eqxpar import nn
 from eqxpar.models import GPT, generate, next_token_loss
-from eqxpar.models._gpt import embed_tokens
+from eqxpar.models._gpt_parts import embed_tokens
 from eqxpar.testing import assert_trees_close, mesh_sizes
 
 VOCAB, CONTEXT = 16, 8

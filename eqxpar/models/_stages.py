@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..train import Stages
-from ._gpt import embed_tokens, head_logits, mean_cross_entropy
+from ._gpt_parts import embed_tokens, head_logits, mean_cross_entropy
 from ._moe_block import MoEOptions, weighted_aux
 
 __all__ = ["gpt_stages"]
