@@ -34,10 +34,11 @@ without its wait) times its runs per step: a load-independent floor to compare p
 
 Run: `python benchmarks/profile_step.py` (a few minutes on two cores);
 `--strategies hybrid --steps 10 --top 25`; `--quick` (tiny GPT, 2 steps: a smoke test);
-`--out profile.json` keeps every table; `--trace-dir DIR` keeps the raw traces (open
-`perfetto_trace.json.gz` in ui.perfetto.dev). The same command runs on a GPU (without
-`simulate_cpu_devices`, which only applies on CPU); the strategies' meshes need 8 devices,
-so on a one-GPU machine use `--strategies single` (both steps on one device).
+`--out profile.json` keeps every table (and every instruction's least time, `least_ops`);
+`--trace-dir DIR` keeps the raw traces (open `perfetto_trace.json.gz` in ui.perfetto.dev).
+The same command runs on a GPU (without `simulate_cpu_devices`, which only applies on CPU);
+the strategies' meshes need 8 devices, so on a one-GPU machine use `--strategies single`
+(both steps on one device).
 """
 
 from __future__ import annotations
@@ -283,33 +284,39 @@ def summarize(events: list[dict], module: str, instructions: dict, steps: int) -
         ops[name] += e["share"] * ms
         counts[name] += 1
     least = collections.Counter()  # per kind: each instruction's fastest run times its runs per step and device
+    least_ops = collections.Counter()  # the same per instruction
     for name, t in fastest.items():
         least[instructions.get(name, {}).get("kind", "other")] += t * counts[name] * ms
+        least_ops[name] = t * counts[name] * ms
     spans = [
         (max(e["ts"] + e["dur"] for e in r) - min(e["ts"] for e in r)) / 1e3 for k, r in runs.items() if k is not None
     ]
     n_dev = max(len(devices), 1)
-    top = [
-        dict(
-            op=n,
-            ms=t,
-            calls_per_step=counts[n] / (steps * n_dev),
-            kind=instructions.get(n, {}).get("kind", "other"),
-            scope="/".join(layer_and_pass(instructions.get(n, {}).get("op_name", ""))),
-            shape=instructions.get(n, {}).get("shape", ""),
-        )
-        for n, t in ops.most_common()
-    ]
+
+    def listed(counter):
+        return [
+            dict(
+                op=n,
+                ms=t,
+                calls_per_step=counts[n] / (steps * n_dev),
+                kind=instructions.get(n, {}).get("kind", "other"),
+                scope="/".join(layer_and_pass(instructions.get(n, {}).get("op_name", ""))),
+                shape=instructions.get(n, {}).get("shape", ""),
+            )
+            for n, t in counter.most_common()
+        ]
+
     return dict(
         total_ms=sum(kinds.values()),
         events=len(mine),
         least=dict(least),
         least_ms=sum(least.values()),
+        least_ops=listed(least_ops),
         overlapped_ms=sum(e["self"] - e["share"] for e in mine) * ms,
         devices=len(devices),
         kinds=dict(kinds),
         layers=dict(layers),
-        ops=top,
+        ops=listed(ops),
         span_ms=statistics.median(spans) if spans else None,
         collectives_per_step=sum(counts[n] for n in counts if instructions.get(n, {}).get("kind") in COLLECTIVES)
         / (steps * n_dev),

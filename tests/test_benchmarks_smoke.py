@@ -1,6 +1,6 @@
-"""Smoke tests of benchmarks/peer.py and benchmarks/mfu.py at tiny sizes (in-process, on the
-8 simulated devices of conftest): they run, eqxpar's step equals the plain-jit peer's, and
-the tables come out."""
+"""Smoke tests of benchmarks/peer.py (and pool.py, which pools its runs) and benchmarks/mfu.py
+at tiny sizes (in-process, on the 8 simulated devices of conftest): they run, eqxpar's step
+equals the plain-jit peer's, and the tables come out."""
 
 import importlib.util
 import json
@@ -42,6 +42,33 @@ def test_peer_rejects_an_unknown_strategy():
         _load("peer").main(["--quick", "--strategies", "pipeline"])
 
 
+def test_pool_puts_the_rounds_of_several_peer_runs_together(tmp_path, capsys):
+    """Two runs' rounds pooled: the median is of all rounds, not of the two run medians."""
+    config = dict(dim=256, heads=8, layers=4, context=32, batch=32, fsdp_min_size=0, quick=False, rounds=3)
+    runs = {"a.json": [0.80, 0.90, 1.00], "b.json": [0.96, 0.97, 0.98, 0.99]}
+    for name, ratios in runs.items():
+        run = dict(config=config, targets=dict(time=0.95), results={"FSDP fsdp=8": dict(ratios=ratios)})
+        (tmp_path / name).write_text(json.dumps(run))
+    out = tmp_path / "pooled.json"
+    pooled = _load("pool").main([str(tmp_path / n) for n in runs] + ["--out", str(out)])
+    e = pooled["FSDP fsdp=8"]
+    assert (e["runs"], e["rounds"]) == (2, 7)
+    assert e["run_medians"] == [0.90, 0.975]
+    assert e["median"] == 0.97  # the 4th of 7 sorted rounds; the mean of the run medians is 0.9375
+    assert e["share_at_or_under_target"] == 2 / 7
+    assert json.loads(out.read_text())["pooled"]["FSDP fsdp=8"]["median"] == 0.97
+    assert "FSDP fsdp=8" in capsys.readouterr().out
+
+
+def test_pool_refuses_runs_of_different_models(tmp_path, capsys):
+    for name, dim in (("a.json", 256), ("b.json", 128)):
+        run = dict(config=dict(dim=dim), results={"DP data=8": dict(ratios=[1.0])})
+        (tmp_path / name).write_text(json.dumps(run))
+    with pytest.raises(SystemExit):
+        _load("pool").main([str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    assert "the runs timed different models" in capsys.readouterr().err
+
+
 def test_mfu_quick_on_cpu(capsys):
     rows = _load("mfu").main(["--configs", "32x1", "--heads", "4", "--context", "8", "--batch", "8", "--steps", "1"])
     assert [r["devices"] for r in rows] == [1, 8]
@@ -67,6 +94,11 @@ def test_profile_step_quick(capsys, tmp_path):
         assert s["kinds"].get("matmul", 0) > 0 and s["kinds"].get("all-reduce", 0) > 0
         # Both programs carry the GPT's named scopes (the peer's loss is scoped like eqxpar's).
         assert any(k.startswith("attention ") for k in s["layers"]) and any(k.startswith("mlp ") for k in s["layers"])
+        # Each instruction's least time; per kind they add up to the least-time table.
+        per_kind = {}
+        for o in s["least_ops"]:
+            per_kind[o["kind"]] = per_kind.get(o["kind"], 0.0) + o["ms"]
+        assert per_kind == pytest.approx(s["least"]), who
     printed = capsys.readouterr().out
     assert "by kind" in printed and "largest operations" in printed
     assert json.loads(out.read_text())["results"]["hybrid data=2,model=4"]["eqxpar"]["module"] == r["eqxpar"]["module"]
