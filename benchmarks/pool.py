@@ -11,8 +11,9 @@ share of rounds at or under the target (`peer.py`'s `TARGETS["time"]`).
     python benchmarks/peer.py --strategies fsdp --rounds 101 --out run2.json
     python benchmarks/pool.py run1.json run2.json            # then pool them
 
-`--out FILE` writes the pooled table as JSON. Runs of different model shapes (the
-`config` in each file) are refused: their ratios measure different things.
+`--out FILE` writes the pooled table as JSON. Each run's commit is printed first. Runs of
+different model shapes (the `config` in each file) or targets are refused: their ratios
+measure different things.
 """
 
 from __future__ import annotations
@@ -32,13 +33,20 @@ def pool(runs: list[dict]) -> dict:
     """
     if not runs:
         raise ValueError("pool: no runs given; pass the JSON files that `peer.py --out` wrote.")
-    shapes = {tuple(r.get("config", {}).get(k) for k in MODEL_KEYS) for r in runs}
-    if len(shapes) > 1:
-        raise ValueError(
-            f"pool: the runs timed different models ({', '.join(map(str, sorted(shapes, key=str)))} for "
-            f"{', '.join(MODEL_KEYS)}); pool runs of one shape only."
-        )
-    target = runs[0].get("targets", {}).get("time", 0.95)
+    for i, run in enumerate(runs):
+        if not all(isinstance(run.get(k), dict) for k in ("config", "results", "targets")):
+            raise ValueError(f"pool: run {i} has no config, results or targets: not a file `peer.py --out` wrote.")
+    for key in MODEL_KEYS:
+        values = [run["config"].get(key) for run in runs]
+        if len(set(values)) > 1:
+            raise ValueError(
+                f"pool: the runs timed different models ({key} = {', '.join(map(str, values))}, in the order "
+                f"given); pool runs of one shape only."
+            )
+    targets = [run["targets"].get("time") for run in runs]
+    if len(set(targets)) > 1:
+        raise ValueError(f"pool: the runs have different time targets ({', '.join(map(str, targets))}).")
+    target = targets[0]
     pooled: dict = {}
     for i, run in enumerate(runs):
         for name, r in run.get("results", {}).items():
@@ -70,7 +78,11 @@ def main(argv=None) -> dict:
         pooled = pool(runs)
     except ValueError as e:
         parser.error(str(e))
-    print(f"{'strategy':<22} runs  rounds  run medians{'':<26} pooled median  quartiles      <= target")
+    for path, run in zip(args.runs, runs):
+        source = run.get("source") or {}
+        dirty = " (uncommitted changes)" if source.get("uncommitted") else ""
+        print(f"{path}: commit {str(source.get('commit', '?'))[:7]}{dirty}, {', '.join(run['results'])}")
+    print(f"\n{'strategy':<22} runs  rounds  run medians{'':<26} pooled median  quartiles      <= target")
     for name, e in pooled.items():
         medians = " ".join(f"{m:.2f}" for m in e["run_medians"])
         q1, _, q3 = e["quartiles"]

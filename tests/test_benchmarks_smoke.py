@@ -42,31 +42,54 @@ def test_peer_rejects_an_unknown_strategy():
         _load("peer").main(["--quick", "--strategies", "pipeline"])
 
 
+def _peer_run(tmp_path, name, results, dim=256, target=0.93):
+    config = dict(dim=dim, heads=8, layers=4, context=32, batch=32, fsdp_min_size=0, quick=False)
+    run = dict(config=config, targets=dict(time=target), source=dict(commit="abc1234"), results=results)
+    (tmp_path / name).write_text(json.dumps(run))
+    return str(tmp_path / name)
+
+
 def test_pool_puts_the_rounds_of_several_peer_runs_together(tmp_path, capsys):
     """Two runs' rounds pooled: the median is of all rounds, not of the two run medians."""
-    config = dict(dim=256, heads=8, layers=4, context=32, batch=32, fsdp_min_size=0, quick=False, rounds=3)
-    runs = {"a.json": [0.80, 0.90, 1.00], "b.json": [0.96, 0.97, 0.98, 0.99]}
-    for name, ratios in runs.items():
-        run = dict(config=config, targets=dict(time=0.95), results={"FSDP fsdp=8": dict(ratios=ratios)})
-        (tmp_path / name).write_text(json.dumps(run))
+    runs = [
+        _peer_run(tmp_path, "a.json", {"FSDP fsdp=8": dict(ratios=[0.80, 0.93, 1.00])}),
+        _peer_run(tmp_path, "b.json", {"FSDP fsdp=8": dict(ratios=[0.96, 0.97, 0.98, 0.99])}),
+    ]
     out = tmp_path / "pooled.json"
-    pooled = _load("pool").main([str(tmp_path / n) for n in runs] + ["--out", str(out)])
+    pooled = _load("pool").main([*runs, "--out", str(out)])
     e = pooled["FSDP fsdp=8"]
     assert (e["runs"], e["rounds"]) == (2, 7)
-    assert e["run_medians"] == [0.90, 0.975]
-    assert e["median"] == 0.97  # the 4th of 7 sorted rounds; the mean of the run medians is 0.9375
-    assert e["share_at_or_under_target"] == 2 / 7
+    assert e["run_medians"] == [0.93, 0.975]
+    assert e["median"] == 0.97  # the 4th of 7 sorted rounds; the mean of the run medians is 0.9525
+    # statistics.quantiles' default ("exclusive") method on the 7 sorted rounds: the 2nd and 6th.
+    assert e["quartiles"] == pytest.approx([0.93, 0.97, 0.99])
+    assert e["share_at_or_under_target"] == 2 / 7  # 0.80 and 0.93: the target (0.93) counts as met
     assert json.loads(out.read_text())["pooled"]["FSDP fsdp=8"]["median"] == 0.97
-    assert "FSDP fsdp=8" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "commit abc1234" in printed and "FSDP fsdp=8" in printed
 
 
-def test_pool_refuses_runs_of_different_models(tmp_path, capsys):
-    for name, dim in (("a.json", 256), ("b.json", 128)):
-        run = dict(config=dict(dim=dim), results={"DP data=8": dict(ratios=[1.0])})
-        (tmp_path / name).write_text(json.dumps(run))
+@pytest.mark.parametrize(
+    "second, message",
+    [
+        (dict(dim=128), "the runs timed different models (dim = 256, 128"),
+        (dict(target=0.95), "the runs have different time targets"),
+        (dict(results={"DP data=8": dict(ratios=[])}), "has no per-round ratios for 'DP data=8'"),
+    ],
+)
+def test_pool_refuses_runs_it_cannot_pool(tmp_path, capsys, second, message):
+    first = _peer_run(tmp_path, "a.json", {"DP data=8": dict(ratios=[1.0])})
+    other = _peer_run(tmp_path, "b.json", **{"results": {"DP data=8": dict(ratios=[1.0])}, **second})
     with pytest.raises(SystemExit):
-        _load("pool").main([str(tmp_path / "a.json"), str(tmp_path / "b.json")])
-    assert "the runs timed different models" in capsys.readouterr().err
+        _load("pool").main([first, other])
+    assert message in capsys.readouterr().err
+
+
+def test_pool_refuses_a_file_peer_did_not_write(tmp_path, capsys):
+    (tmp_path / "pooled.json").write_text(json.dumps(dict(runs=["a.json"], pooled={})))
+    with pytest.raises(SystemExit):
+        _load("pool").main([str(tmp_path / "pooled.json")])
+    assert "not a file `peer.py --out` wrote" in capsys.readouterr().err
 
 
 def test_mfu_quick_on_cpu(capsys):
@@ -99,6 +122,7 @@ def test_profile_step_quick(capsys, tmp_path):
         for o in s["least_ops"]:
             per_kind[o["kind"]] = per_kind.get(o["kind"], 0.0) + o["ms"]
         assert per_kind == pytest.approx(s["least"]), who
+        assert {o["op"] for o in s["least_ops"]} == {o["op"] for o in s["ops"]}, who
     printed = capsys.readouterr().out
     assert "by kind" in printed and "largest operations" in printed
     assert json.loads(out.read_text())["results"]["hybrid data=2,model=4"]["eqxpar"]["module"] == r["eqxpar"]["module"]

@@ -167,11 +167,11 @@ def test_a_killed_process_mid_run_ends_the_job_within_60_s(tmp_path):
         while not (pid and ready):
             # A job that ends before it is ready (e.g. a rank failing to start) fails the
             # test now, with its output, instead of at the deadline.
+            assert time.monotonic() < deadline, f"rank 1 not ready after 300 s:\n{''.join(seen)}"
             try:
                 line = lines.get(timeout=1)
             except queue.Empty:
                 assert proc.poll() is None, f"the job ended before rank 1 was ready:\n{''.join(seen)}"
-                assert time.monotonic() < deadline, f"rank 1 not ready after 300 s:\n{''.join(seen)}"
                 continue
             seen.append(line)
             if line.startswith("eqxpar.launch: rank 1 started as pid "):
