@@ -19,7 +19,7 @@ import pytest
 from _budget import case
 from hypothesis import given
 from hypothesis import strategies as st
-from test_plan import PAD, VOCAB, cpu_cluster
+from test_plan import PAD, VOCAB, cpu_cluster, small_plans
 
 import eqxpar.plan
 from eqxpar.models import GPTConfig
@@ -35,16 +35,7 @@ EIGHT = GPTConfig(context=16, dim=32, heads=8, layers=8)
 
 @functools.cache
 def pipeline_plans(config: GPTConfig = FOUR, batch: int = BATCH) -> dict[str, eqxpar.plan.Plan]:
-    plans = eqxpar.plan.plan(
-        config,
-        batch=batch,
-        cluster=cpu_cluster(),
-        dtype=jnp.float32,
-        vocab_size=VOCAB,
-        pad_vocab_to_multiple_of=PAD,
-        top=None,
-    )
-    return {str(p.layout): p for p in plans if p.layout.stage > 1}
+    return {str(p.layout): p for p in small_plans(config, batch=batch) if p.layout.stage > 1}
 
 
 def test_pipeline_candidates_and_their_rules():

@@ -15,7 +15,7 @@ import functools
 import jax.numpy as jnp
 import pytest
 from _budget import case
-from test_plan import PAD, SMALL, VOCAB, cpu_cluster, saved_bytes
+from test_plan import PAD, SMALL, VOCAB, cpu_cluster, saved_bytes, small_plans
 
 import eqxpar.plan
 from eqxpar.models import GPTConfig
@@ -95,17 +95,7 @@ def test_bfloat16_plans_price_what_the_step_sends_in_each_dtype():
     cross-entropy statistics, ring attention's key/value gradients and, under sequence
     parallelism, the layer norms' and position rows' gradients in float32 (the MLP output
     biases' in bfloat16)."""
-    plans = eqxpar.plan.plan(
-        SMALL,
-        batch=BATCH,
-        cluster=cpu_cluster(),
-        dtype=jnp.bfloat16,
-        vocab_size=VOCAB,
-        pad_vocab_to_multiple_of=PAD,
-        top=None,
-        axes=("data", "context", "model"),
-        remats=("block",),
-    )
+    plans = small_plans(SMALL, batch=BATCH, dtype=jnp.bfloat16, axes=("data", "context", "model"), remats=("block",))
     (p,) = [p for p in plans if str(p.layout) == "data=2,context=2,model=2 remat=block sp ring"]
     check_bfloat16_prices(p)
 
