@@ -28,8 +28,9 @@ MODEL_KEYS = ("dim", "heads", "layers", "context", "batch", "fsdp_min_size", "qu
 def pool(runs: list[dict]) -> dict:
     """`{strategy: {...}}` from the loaded JSON of `peer.py` runs (in order of first appearance).
 
-    **Raises:** `ValueError` if there are no runs, a run has no per-round ratios, or the runs
-    timed different model shapes.
+    **Raises:** `ValueError` if there are no runs, a run is not a `peer.py --out` file (no
+    config, results or targets) or has no per-round ratios, or the runs timed different model
+    shapes or have different time targets.
     """
     if not runs:
         raise ValueError("pool: no runs given; pass the JSON files that `peer.py --out` wrote.")
@@ -49,7 +50,7 @@ def pool(runs: list[dict]) -> dict:
     target = targets[0]
     pooled: dict = {}
     for i, run in enumerate(runs):
-        for name, r in run.get("results", {}).items():
+        for name, r in run["results"].items():
             if not r.get("ratios"):
                 raise ValueError(f"pool: run {i} has no per-round ratios for {name!r} (a peer.py --out file?).")
             entry = pooled.setdefault(name, dict(run_medians=[], ratios=[]))
