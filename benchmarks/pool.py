@@ -73,8 +73,11 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     runs = []
     for path in args.runs:
-        with open(path) as f:
-            runs.append(json.load(f))
+        try:
+            with open(path) as f:
+                runs.append(json.load(f))
+        except (OSError, json.JSONDecodeError) as e:
+            parser.error(f"cannot read {path} as JSON ({e}); pass the files that `peer.py --out` wrote.")
     try:
         pooled = pool(runs)
     except ValueError as e:

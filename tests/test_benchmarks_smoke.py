@@ -90,6 +90,11 @@ def test_pool_refuses_a_file_peer_did_not_write(tmp_path, capsys):
     with pytest.raises(SystemExit):
         _load("pool").main([str(tmp_path / "pooled.json")])
     assert "not a file `peer.py --out` wrote" in capsys.readouterr().err
+    (tmp_path / "log.txt").write_text("FSDP fsdp=8  0.93\n")
+    for path in (tmp_path / "missing.json", tmp_path / "log.txt"):
+        with pytest.raises(SystemExit):
+            _load("pool").main([str(path)])
+        assert f"cannot read {path} as JSON" in capsys.readouterr().err
 
 
 def test_mfu_quick_on_cpu(capsys):
