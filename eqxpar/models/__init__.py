@@ -48,10 +48,13 @@ from ._llama_theory import llama_context_parallel_theory, llama_tensor_parallel_
 from ._memory import gpt_activation_theory
 from ._moe_block import MoEBlock, MoEOptions, moe_aux_loss
 from ._moe_llama import LlamaMoEBlock
+from ._packed import NEXT_TOKEN_KEYS, next_token_batch
 from ._stacking import stack_blocks, unstack_blocks
 from ._stages import gpt_stages
 
 __all__ = [
+    "next_token_batch",
+    "NEXT_TOKEN_KEYS",
     "TransformerBlock",
     "sequence_dropout",
     "remat_wrapper",

@@ -225,6 +225,7 @@ class TransformerBlock(eqx.Module):
         name: str | None = None,
         rows: Int[Array, " seq"] | None = None,
         length: int | None = None,
+        segment_ids: Int[Array, "*batch seq"] | None = None,
     ) -> Float[Array, "*batch seq dim"]:
         """Apply the block on one device (inside `shard_map`).
 
@@ -241,6 +242,10 @@ class TransformerBlock(eqx.Module):
           sequence parallelism), their global positions and the sequence's whole length,
           so that the residual dropout drops what it would on one device (see
           [`eqxpar.models.sequence_dropout`][]). Default: `x` is the whole sequence.
+        - `segment_ids`: packed documents: `(*batch, seq)` document ids of the tokens
+          attention sees (whole sequences on every device of the model axis; under context
+          parallelism this device's block), so that a token attends only within its
+          document; `None`: one document per sequence.
 
         **Returns:**
 
@@ -252,6 +257,7 @@ class TransformerBlock(eqx.Module):
             with jax.named_scope("attention"):
                 h = self.attention(
                     layer_norm(self.attention_norm, x),
+                    segment_ids=segment_ids,
                     key=attention_key,
                     inference=inference,
                     sequence_dim=sequence_dim,

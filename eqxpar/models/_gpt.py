@@ -31,6 +31,7 @@ from ._moe_block import (
     run_blocks,
     run_stacked_blocks,
 )
+from ._packed import next_token_batch
 
 __all__ = ["GPT", "next_token_loss"]
 
@@ -242,6 +243,8 @@ class GPT(TensorParallelLayer):
         self,
         tokens: Int[Array, "*batch seq"],
         *,
+        segment_ids: Int[Array, "*batch seq"] | None = None,
+        positions: Int[Array, "*batch seq"] | None = None,
         key: PRNGKeyArray | None = None,
         inference: bool | None = None,
         return_aux: Literal[False] = False,
@@ -252,6 +255,8 @@ class GPT(TensorParallelLayer):
         self,
         tokens: Int[Array, "*batch seq"],
         *,
+        segment_ids: Int[Array, "*batch seq"] | None = None,
+        positions: Int[Array, "*batch seq"] | None = None,
         key: PRNGKeyArray | None = None,
         inference: bool | None = None,
         return_aux: Literal[True],
@@ -261,6 +266,8 @@ class GPT(TensorParallelLayer):
         self,
         tokens: Int[Array, "*batch seq"],
         *,
+        segment_ids: Int[Array, "*batch seq"] | None = None,
+        positions: Int[Array, "*batch seq"] | None = None,
         key: PRNGKeyArray | None = None,
         inference: bool | None = None,
         return_aux: bool = False,
@@ -272,6 +279,12 @@ class GPT(TensorParallelLayer):
         - `tokens`: token ids, shape `(seq,)` for one sequence or `(*batch, seq)` for a
           batch (computed as whole arrays, no `vmap`), with `seq <= context_length`, the
           same on every device of the model axis.
+        - `segment_ids`: packed documents: `(*batch, seq)` ids of each token's document (like
+          `tokens`: under context parallelism this device's block, in zigzag layout); a
+          token attends only to earlier tokens of its own document. `None`: one document.
+        - `positions`: each token's position in its document, `(*batch, seq)` like `tokens`,
+          for the position embedding (each below `context_length`). `None`: `0 .. seq - 1`
+          (the global positions under context parallelism).
         - `key`: the dropout key, the same on every device of the model axis.
         - `inference`: `True` turns dropout off.
         - `return_aux`: also return the MoE blocks' [`eqxpar.nn.MoEAux`][]s.
@@ -290,13 +303,23 @@ class GPT(TensorParallelLayer):
             embed_key, *block_keys = split_keys(key, 1 + self.num_layers)
             rows, length = self._rows(tokens.shape[-1])
             with jax.named_scope("embedding"):
-                x = embed_tokens(self, tokens, key=embed_key, inference=inference, rows=rows, length=length)
+                x = embed_tokens(
+                    self, tokens, key=embed_key, inference=inference, rows=rows, length=length, positions=positions
+                )
             wrap = remat_wrapper(self.remat)
             if isinstance(self.blocks, StackedLayers):  # self.scan_layers
                 keys = None if key is None else jnp.stack(cast(list[Array], block_keys))
-                x, auxes = run_stacked_blocks(self.blocks, x, keys, wrap, inference=inference, rows=rows, length=length)
+                x, auxes = run_stacked_blocks(
+                    self.blocks, x, keys, wrap, inference=inference, rows=rows, length=length, segment_ids=segment_ids
+                )
             else:
-                apply = _apply_block if wrap is None else wrap(_apply_block)
+
+                def apply_block(block, x, key, inference, name, rows, length):
+                    return block(
+                        x, key=key, inference=inference, name=name, rows=rows, length=length, segment_ids=segment_ids
+                    )
+
+                apply = apply_block if wrap is None else wrap(apply_block)
                 x, auxes = run_blocks(self.blocks, x, block_keys, apply, inference, rows, length)
             with jax.named_scope("head"):
                 logits = head_logits(self, x)
@@ -341,13 +364,9 @@ class GPT(TensorParallelLayer):
         return rows, length
 
 
-def _apply_block(block, x, key, inference, name, rows, length):
-    return block(x, key=key, inference=inference, name=name, rows=rows, length=length)
-
-
 def next_token_loss(
     model: GPT,
-    tokens: Int[Array, "batch seq_plus_one"],
+    tokens: Int[Array, "batch seq_plus_one"] | dict[str, Array] | tuple[Array, Array],
     *,
     key: PRNGKeyArray | None = None,
 ) -> Float[Array, ""]:
@@ -361,16 +380,24 @@ def next_token_loss(
     **Arguments:**
 
     - `model`: a [`eqxpar.models.GPT`][] (each device's blocks).
-    - `tokens`: `(batch, seq + 1)` token ids, the same on every device of the model axis.
+    - `tokens`: `(batch, seq + 1)` token ids, the same on every device of the model axis;
+      or packed documents, any batch [`eqxpar.models.next_token_batch`][] takes (a batch of
+      [`eqxpar.data.text.PackedRows`][] records, or one already shifted for a context
+      axis): attention then stays inside each document, the position embedding restarts at
+      each document, and a target that starts another document weighs 0.
     - `key`: the dropout key, or `None` without dropout.
 
     **Returns:**
 
     The mean loss over this device's batch, a scalar, the same on every device of the
-    model axis.
+    model axis. With packed documents the mean is over every target position, a position
+    whose target starts another document counting 0: the same quantity on every mesh, as
+    the step averages the devices' means.
     """
-    inputs, targets = tokens[..., :-1], tokens[..., 1:]
-    logits, auxes = model(inputs, key=key, return_aux=True)
+    batch = next_token_batch(tokens)
+    logits, auxes = model(
+        batch["inputs"], segment_ids=batch["segment_ids"], positions=batch["positions"], key=key, return_aux=True
+    )
     with jax.named_scope("loss"):
-        loss = mean_cross_entropy(model, logits, targets)
+        loss = mean_cross_entropy(model, logits, batch["targets"], batch["loss_weights"])
         return loss + moe_aux_loss(model, auxes) if auxes else loss

@@ -19,11 +19,12 @@ if TYPE_CHECKING:
 __all__ = ["embed_tokens", "head_logits", "mean_cross_entropy"]
 
 
-def embed_tokens(model: GPT, tokens, *, key, inference, rows=None, length=None):
+def embed_tokens(model: GPT, tokens, *, key, inference, rows=None, length=None, positions=None):
     """Token plus position embeddings, then dropout: the residual stream the blocks take.
 
     `rows`, `length`: this device's global positions of a sequence split over devices and
-    the whole length (`None`: `tokens` holds whole sequences).
+    the whole length (`None`: `tokens` holds whole sequences). `positions`: packed
+    documents' positions, shaped like `tokens` (`None`: the global positions).
     """
     length = tokens.shape[-1] if length is None else length
     if length > model.context_length:  # the GPT's own call checks in _rows; gpt_stages' first here
@@ -38,7 +39,13 @@ def embed_tokens(model: GPT, tokens, *, key, inference, rows=None, length=None):
     # A gather, not a broadcast over the batch (whose backward, a sum over the batch, made XLA:GPU
     # lay the residual stream out batch-minor: docs/benchmarks.md), from a table in at least
     # float32, so that its backward scatter-add adds up the batch's rows in float32.
-    ids = jnp.broadcast_to(jnp.arange(length) if rows is None else rows, x.shape[:-1])
+    if positions is None:
+        ids = jnp.broadcast_to(jnp.arange(length) if rows is None else rows, x.shape[:-1])
+    elif model.sequence_parallel:  # this device's block of them, as the lookup's reduce-scatter left it
+        block = x.shape[-2]
+        ids = jax.lax.dynamic_slice_in_dim(positions, jax.lax.axis_index(model.axis_name) * block, block, -1)
+    else:
+        ids = positions
     table = model.position_embedding.weight
     x = x + jnp.take(table.astype(at_least_float32(table.dtype)), ids, axis=0, mode="clip").astype(x.dtype)
     # The same key on every device; a split sequence takes its rows of the whole mask.
@@ -57,6 +64,8 @@ def head_logits(model: GPT, x):
     return jnp.where(ids < model.vocab_size, logits, -jnp.inf)
 
 
-def mean_cross_entropy(model: GPT, logits, targets):
-    """The mean next-token cross-entropy of `logits` (this device's vocabulary block)."""
-    return jnp.mean(vocab_parallel_cross_entropy(logits, targets, model.axis_name, model.vocab_size))
+def mean_cross_entropy(model: GPT, logits, targets, weights=None):
+    """The mean next-token cross-entropy of `logits` (this device's vocabulary block), each
+    position's term times its weight (`None`: 1) when given."""
+    losses = vocab_parallel_cross_entropy(logits, targets, model.axis_name, model.vocab_size)
+    return jnp.mean(losses if weights is None else losses * weights)

@@ -8,6 +8,7 @@ from typing import Literal, overload
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..inspect import transformer_flops_per_token
@@ -24,6 +25,7 @@ from ._llama_parts import CONTEXT_IMPLS, embed, head_logits, mean_cross_entropy,
 from ._moe_block import MoEOptions, check_model_axis_size, moe_aux_loss, run_blocks
 from ._moe_llama import LlamaMoEBlock, llama_blocks
 from ._moe_theory import llama_mlp_params
+from ._packed import next_token_batch
 
 __all__ = ["Llama", "llama_loss", "llama_matmul_params", "llama_flops_per_token"]
 
@@ -221,16 +223,34 @@ class Llama(TensorParallelLayer):
 
     @overload
     def __call__(
-        self, tokens: Int[Array, "*batch seq"], *, key: PRNGKeyArray | None = None, return_aux: Literal[False] = False
+        self,
+        tokens: Int[Array, "*batch seq"],
+        *,
+        segment_ids: Int[Array, "*batch seq"] | None = None,
+        positions: Int[Array, "*batch seq"] | None = None,
+        key: PRNGKeyArray | None = None,
+        return_aux: Literal[False] = False,
     ) -> Float[Array, "*batch seq vocab_block"]: ...
 
     @overload
     def __call__(
-        self, tokens: Int[Array, "*batch seq"], *, key: PRNGKeyArray | None = None, return_aux: Literal[True]
+        self,
+        tokens: Int[Array, "*batch seq"],
+        *,
+        segment_ids: Int[Array, "*batch seq"] | None = None,
+        positions: Int[Array, "*batch seq"] | None = None,
+        key: PRNGKeyArray | None = None,
+        return_aux: Literal[True],
     ) -> tuple[Float[Array, "*batch seq vocab_block"], tuple]: ...
 
     def __call__(
-        self, tokens: Int[Array, "*batch seq"], *, key: PRNGKeyArray | None = None, return_aux: bool = False
+        self,
+        tokens: Int[Array, "*batch seq"],
+        *,
+        segment_ids: Int[Array, "*batch seq"] | None = None,
+        positions: Int[Array, "*batch seq"] | None = None,
+        key: PRNGKeyArray | None = None,
+        return_aux: bool = False,
     ) -> Float[Array, "*batch seq vocab_block"] | tuple[Float[Array, "*batch seq vocab_block"], tuple]:
         """Next-token logits on one device (inside `shard_map`).
 
@@ -240,6 +260,10 @@ class Llama(TensorParallelLayer):
           `vmap`), `seq <= max_seq_len`, the same on every device of the model axis (under
           context parallelism: this device's `seq / C` tokens of each sequence, in zigzag
           layout).
+        - `segment_ids`: packed documents: `(*batch, seq)` ids of each token's document,
+          shaped and laid out like `tokens`; a token attends only within its document.
+        - `positions`: each token's position in its document, like `tokens`, for the rotary
+          embeddings. `None`: `0 .. seq - 1` (the global positions under context parallelism).
         - `key`: ignored (the Llama has no dropout); accepted as every train step passes one.
         - `return_aux`: also return the MoE layers' [`eqxpar.nn.MoEAux`][]s (one per MoE
           layer, in order; an empty tuple without `moe=`).
@@ -264,13 +288,27 @@ class Llama(TensorParallelLayer):
                 raise ValueError(f"Llama: tokens must be (seq,) or (*batch, seq), got shape {tokens.shape}.")
             self._model_axis_size()  # every split checked (heads, vocabulary, MLP) before any layer runs
             single = tokens.ndim == 1
-            cos, sin = rotary_angles(self, tokens.shape[-1], self.embed_tokens.weight.dtype)
-            x = embed(self, tokens[None] if single else tokens)
+            for name, value in (("segment_ids", segment_ids), ("positions", positions)):
+                if value is not None and jnp.shape(value) != tokens.shape:
+                    raise ValueError(
+                        f"Llama: {name} must have the shape of tokens {tokens.shape}, got {jnp.shape(value)}."
+                    )
+            cos, sin = rotary_angles(self, tokens.shape[-1], self.embed_tokens.weight.dtype, positions)
+            if single:
+                tokens, segment_ids = tokens[None], None if segment_ids is None else segment_ids[None]
+            x = embed(self, tokens)
             wrap = remat_wrapper(self.remat)
             if isinstance(self.layers, StackedLayers):  # self.scan_layers
-                x, auxes = self.layers(x, wrap=wrap, cos=cos, sin=sin), ()
+                x, auxes = self.layers(x, wrap=wrap, cos=cos, sin=sin, segment_ids=segment_ids), ()
             else:
-                apply = _apply_block if wrap is None else wrap(_apply_block)
+
+                def apply_block(block, x, angles, inference, name, rows, length):
+                    # run_blocks' calling convention (the GPT's): `angles` rides where the GPT's key does.
+                    del inference, rows, length
+                    cos, sin = angles
+                    return block(x, cos=cos, sin=sin, segment_ids=segment_ids, name=name.replace("block_", "layer_"))
+
+                apply = apply_block if wrap is None else wrap(apply_block)
                 x, auxes = run_blocks(self.layers, x, [(cos, sin)] * len(self.layers), apply, None, None, None)
             with jax.named_scope("head"):
                 logits = head_logits(self, x)
@@ -278,16 +316,9 @@ class Llama(TensorParallelLayer):
             return (logits, auxes) if return_aux else logits
 
 
-def _apply_block(block, x, angles, inference, name, rows, length):
-    # run_blocks' calling convention (the GPT's): `angles` rides where the GPT's key does.
-    del inference, rows, length
-    cos, sin = angles
-    return block(x, cos=cos, sin=sin, name=name.replace("block_", "layer_"))
-
-
 def llama_loss(
     model: Llama,
-    tokens: Int[Array, "batch seq_plus_one"] | tuple[Int[Array, "batch seq"], Int[Array, "batch seq"]],
+    tokens: Int[Array, "batch seq_plus_one"] | tuple[Int[Array, "batch seq"], Int[Array, "batch seq"]] | dict,
     *,
     key: PRNGKeyArray | None = None,
 ) -> Float[Array, ""]:
@@ -310,7 +341,9 @@ def llama_loss(
     - `model`: a [`eqxpar.models.Llama`][] (each device's blocks).
     - `tokens`: `(batch, seq + 1)` token ids, the same on every device of the model axis;
       or a pair `(inputs, targets)` of `(batch, seq)` ids (needed under context
-      parallelism).
+      parallelism); or packed documents, any batch [`eqxpar.models.next_token_batch`][]
+      takes (attention inside each document, rotary positions restarting at each, a
+      target that starts another document weighing 0: the mean is over every position).
     - `key`: passed to the model (which has no dropout).
 
     **Returns:**
@@ -323,9 +356,7 @@ def llama_loss(
     - `ValueError` for one array of token ids under context parallelism (it cannot shift
       a sequence split over devices).
     """
-    if isinstance(tokens, (tuple, list)):
-        inputs, targets = tokens
-    else:
+    if not isinstance(tokens, (tuple, list, dict)) or (isinstance(tokens, dict) and "tokens" in tokens):
         if model.attention_impl in CONTEXT_IMPLS:
             raise ValueError(
                 f"llama_loss: the Llama has attention_impl={model.attention_impl!r} (context parallelism): each "
@@ -333,10 +364,12 @@ def llama_loss(
                 f"tokens. Pass the pair (tokens[:, :-1][:, order], tokens[:, 1:][:, order]) with order = "
                 f"eqxpar.nn.zigzag_order(seq, context_size), placed with P(batch_axis, 'context')."
             )
-        inputs, targets = tokens[..., :-1], tokens[..., 1:]
-    logits, auxes = model(inputs, key=key, return_aux=True)
+    batch = next_token_batch(tokens)
+    logits, auxes = model(
+        batch["inputs"], segment_ids=batch["segment_ids"], positions=batch["positions"], key=key, return_aux=True
+    )
     with jax.named_scope("loss"):
-        loss = mean_cross_entropy(model, logits, targets)
+        loss = mean_cross_entropy(model, logits, batch["targets"], batch["loss_weights"])
         return loss + moe_aux_loss(model, auxes) if auxes else loss
 
 

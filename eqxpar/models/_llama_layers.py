@@ -6,7 +6,7 @@ from __future__ import annotations
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._shard_map import varying_axes
 from ..nn import (
@@ -17,6 +17,7 @@ from ..nn import (
     fused_attention,
     gather_sequence,
     ring_attention,
+    segment_mask,
 )
 from ._llama_config import LlamaConfig, LlamaRopeScaling
 from ._llama_rope import apply_rotary, rope_angles, rope_frequencies
@@ -182,7 +183,13 @@ class LlamaAttention(TensorParallelLayer):
         TensorParallelLayer.check_axis_size(self, size, where)
 
     def __call__(
-        self, x: Float[Array, "*batch seq dim"], cos: Array, sin: Array, *, key: PRNGKeyArray | None = None
+        self,
+        x: Float[Array, "*batch seq dim"],
+        cos: Array,
+        sin: Array,
+        *,
+        segment_ids: Int[Array, "*batch seq"] | None = None,
+        key: PRNGKeyArray | None = None,
     ) -> Float[Array, "*batch seq dim"]:
         """Attention on one device (inside `shard_map`).
 
@@ -192,7 +199,12 @@ class LlamaAttention(TensorParallelLayer):
           device of the model axis (with `sequence_parallel`, this device's block of it).
         - `cos`, `sin`: the rotary angles of the positions attention sees, `(seq, head_dim)`
           (with `sequence_parallel`: of the whole gathered sequence; under context
-          parallelism: of this device's tokens' global positions).
+          parallelism: of this device's tokens' global positions); or per example,
+          `(*batch, seq, head_dim)` (packed documents' positions).
+        - `segment_ids`: packed documents: `(*batch, seq)` document ids of the tokens
+          attention sees (whole sequences on every device of the model axis; under context
+          parallelism this device's block), so that a token attends only within its
+          document; `None`: one document per sequence.
         - `key`: ignored (no dropout).
 
         **Returns:**
@@ -218,11 +230,13 @@ class LlamaAttention(TensorParallelLayer):
                 group = heads // kv_heads
                 k, v = jnp.repeat(k, group, axis=-2), jnp.repeat(v, group, axis=-2)
                 attend = ring_attention if self.attention_impl == "ring" else all_gather_attention
-                out = attend(q, k, v, axis_name=self.context_axis, causal=True, layout="zigzag")
+                out = attend(
+                    q, k, v, axis_name=self.context_axis, causal=True, layout="zigzag", segment_ids=segment_ids
+                )
             else:
                 # Grouped-query attention: query head h reads key/value head h // (heads /
                 # kv_heads), as Hugging Face's repeat_kv (cuDNN's fused kernel on a GPU).
-                out = fused_attention(q, k, v, causal=True)
+                out = fused_attention(q, k, v, segment_mask(segment_ids), causal=True)
             # Row-parallel output projection: this device's heads' partial products, one psum
             # (a reduce-scatter back to this device's block of the sequence with SP).
             sequence_dim = -2 if self.sequence_parallel else None
@@ -341,6 +355,7 @@ class LlamaBlock(eqx.Module):
         *,
         cos: Array,
         sin: Array,
+        segment_ids: Int[Array, "*batch seq"] | None = None,
         key: PRNGKeyArray | None = None,
         name: str | None = None,
     ) -> Float[Array, "*batch seq dim"]:
@@ -351,7 +366,12 @@ class LlamaBlock(eqx.Module):
         - `x`: the residual stream, `(*batch, seq, dim)`, the same on every device of the
           model axis (with `sequence_parallel`, this device's block of the sequence).
         - `cos`, `sin`: the rotary angles of the positions attention sees, `(seq,
-          head_dim)` (see [`eqxpar.models.LlamaAttention`][]).
+          head_dim)` or per example `(*batch, seq, head_dim)` (see
+          [`eqxpar.models.LlamaAttention`][]).
+        - `segment_ids`: packed documents: `(*batch, seq)` document ids of the tokens
+          attention sees (whole sequences on every device of the model axis; under context
+          parallelism this device's block), so that a token attends only within its
+          document; `None`: one document per sequence.
         - `key`: ignored (no dropout).
         - `name`: the `jax.named_scope` (default `"LlamaBlock"`).
 
@@ -361,5 +381,5 @@ class LlamaBlock(eqx.Module):
         """
         del key
         with jax.named_scope(name or "LlamaBlock"):
-            x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, segment_ids=segment_ids)
             return x + self.mlp(self.post_attention_layernorm(x))

@@ -61,14 +61,16 @@ def attention_positions(model: Llama, seq: int) -> Array:
     return context_positions(seq, CONTEXT_AXIS, "zigzag") if context else jnp.arange(seq)
 
 
-def rotary_angles(model: Llama, seq: int, dtype) -> tuple[Array, Array]:
+def rotary_angles(model: Llama, seq: int, dtype, positions: Array | None = None) -> tuple[Array, Array]:
     """The rotary `cos`, `sin` every layer takes, `(seq, head_dim)`, for `seq` tokens per
-    sequence on this device (see `attention_positions`): those of
+    sequence on this device (see `attention_positions`; with packed documents' `positions`,
+    `(*batch, seq)`, at those: `(*batch, seq, head_dim)`): those of
     [`eqxpar.models.LlamaAttention.rotary_angles`][] at these positions. Every layer's
     attention has the config's rotary settings; the first one's is read, found through
     whatever holds the layers (a stack, a train step's FSDP gathers)."""
     attention = next(a for a in jax.tree.leaves(model.layers, is_leaf=_is_attention) if _is_attention(a))
-    return attention.rotary_angles(attention_positions(model, seq), dtype)
+    default = attention_positions(model, seq)  # the length and split checks, whatever the positions
+    return attention.rotary_angles(default if positions is None else positions, dtype)
 
 
 def _is_attention(node) -> bool:
@@ -88,6 +90,8 @@ def head_logits(model: Llama, x: Array) -> Array:
     return model.head()(model.norm(x), sequence_dim=-2 if model.sequence_parallel else None)
 
 
-def mean_cross_entropy(model: Llama, logits: Array, targets: Array) -> Array:
-    """The mean next-token cross-entropy of `logits` (this device's vocabulary block)."""
-    return jnp.mean(vocab_parallel_cross_entropy(logits, targets, model.axis_name))
+def mean_cross_entropy(model: Llama, logits: Array, targets: Array, weights: Array | None = None) -> Array:
+    """The mean next-token cross-entropy of `logits` (this device's vocabulary block), each
+    position's term times its weight (`None`: 1) when given."""
+    losses = vocab_parallel_cross_entropy(logits, targets, model.axis_name)
+    return jnp.mean(losses if weights is None else losses * weights)

@@ -52,7 +52,8 @@ def rope_angles(positions: Array, inv_freq: np.ndarray, dtype) -> tuple[Array, A
     parallelism) times every frequency, each frequency's column written twice (`(seq,
     head_dim)`: Hugging Face's half-rotation layout), computed in float32 and cast to
     `dtype`."""
-    angles = jnp.asarray(positions).astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    positions = jnp.asarray(positions).astype(jnp.float32)
+    angles = positions[..., None] * jnp.asarray(inv_freq).reshape((1,) * positions.ndim + (-1,))
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
 
@@ -65,7 +66,8 @@ def apply_rotary(x: Float[Array, "*batch seq heads head_dim"], cos: Array, sin: 
     **Arguments:**
 
     - `x`: queries or keys, `(*batch, seq, heads, head_dim)`.
-    - `cos`, `sin`: `(seq, head_dim)`, from the positions (see `rope_angles`).
+    - `cos`, `sin`: `(seq, head_dim)`, or per example `(*batch, seq, head_dim)` (packed
+      documents' positions), from the positions (see `rope_angles`).
 
     **Returns:**
 
@@ -73,5 +75,5 @@ def apply_rotary(x: Float[Array, "*batch seq heads head_dim"], cos: Array, sin: 
     """
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    shape = (1,) * (x.ndim - 3) + (cos.shape[0], 1, cos.shape[1])
+    shape = (1,) * (x.ndim - cos.ndim - 1) + cos.shape[:-1] + (1, cos.shape[-1])  # over the heads
     return x * cos.reshape(shape) + rotated * sin.reshape(shape)

@@ -8,6 +8,7 @@ from ..nn import StackedLayers
 from ..train import Stages
 from ._llama import Llama
 from ._llama_parts import CONTEXT_IMPLS, attention_positions, embed, head_logits, mean_cross_entropy
+from ._packed import next_token_batch
 
 __all__ = ["llama_stages"]
 
@@ -35,16 +36,28 @@ def llama_stages() -> Stages:
       (not inside pipeline stages yet).
     """
 
+    # Packed documents (a dict batch, see next_token_batch): the residual stream travels
+    # between stages with the inputs' segment ids and positions, `(x, segment_ids,
+    # positions)`, so that every layer's attention stays inside each document and rotates
+    # each token by its position in it.
     def first(model, tokens, key):
-        attention_positions(model, tokens.shape[-1] - 1)  # the length check, before any layer
-        return embed(model, tokens[..., :-1])
+        batch = next_token_batch(tokens)
+        attention_positions(model, batch["inputs"].shape[-1])  # the length check, before any layer
+        x = embed(model, batch["inputs"])
+        return x if batch["segment_ids"] is None else (x, batch["segment_ids"], batch["positions"])
 
     def layer(block, x, key):
+        if isinstance(x, tuple):
+            h, segments, positions = x
+            cos, sin = block.self_attn.rotary_angles(positions, h.dtype)
+            return block(h, cos=cos, sin=sin, segment_ids=segments), segments, positions
         cos, sin = block.self_attn.rotary_angles(jnp.arange(x.shape[-2]), x.dtype)
         return block(x, cos=cos, sin=sin)
 
     def last(model, x, tokens, key):
-        return mean_cross_entropy(model, head_logits(model, x), tokens[..., 1:])
+        batch = next_token_batch(tokens)
+        logits = head_logits(model, x[0] if isinstance(x, tuple) else x)
+        return mean_cross_entropy(model, logits, batch["targets"], batch["loss_weights"])
 
     def layers(model):
         if not isinstance(model, Llama):

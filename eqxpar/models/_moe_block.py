@@ -218,13 +218,16 @@ class MoEBlock(eqx.Module):
         name: str | None = None,
         rows: Int[Array, " seq"] | None = None,
         length: int | None = None,
+        segment_ids: Int[Array, "*batch seq"] | None = None,
     ) -> tuple[Float[Array, "*batch seq dim"], MoEAux]:
         """Apply the block on one device (inside `shard_map`); the arguments are
         [`eqxpar.models.TransformerBlock`][]'s. Returns `(new residual stream, aux)`."""
         with jax.named_scope(name or "MoEBlock"):
             attention_key, residual_key1, residual_key2 = split_keys(key, 3)
             with jax.named_scope("attention"):
-                h = self.attention(layer_norm(self.attention_norm, x), key=attention_key, inference=inference)
+                h = self.attention(
+                    layer_norm(self.attention_norm, x), segment_ids=segment_ids, key=attention_key, inference=inference
+                )
                 x = x + sequence_dropout(self.dropout, h, rows, length, key=residual_key1, inference=inference)
             with jax.named_scope("moe"):
                 normed = layer_norm(self.mlp_norm, x)

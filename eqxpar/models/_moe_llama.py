@@ -17,7 +17,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..nn import MixtureOfExperts, MoEAux
 from ._llama_config import LlamaConfig
@@ -96,6 +96,7 @@ class LlamaMoEBlock(eqx.Module):
         *,
         cos: Array,
         sin: Array,
+        segment_ids: Int[Array, "*batch seq"] | None = None,
         key: PRNGKeyArray | None = None,
         name: str | None = None,
     ) -> tuple[Float[Array, "*batch seq dim"], MoEAux]:
@@ -103,7 +104,7 @@ class LlamaMoEBlock(eqx.Module):
         [`eqxpar.models.LlamaBlock`][]'s. Returns `(new residual stream, aux)`."""
         del key
         with jax.named_scope(name or "LlamaMoEBlock"):
-            x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, segment_ids=segment_ids)
             with jax.named_scope("moe"):
                 normed = self.post_attention_layernorm(x)
                 h, aux = self.block_sparse_moe(normed)

@@ -7,6 +7,7 @@ from typing import Any
 from ..train import Stages
 from ._gpt_parts import embed_tokens, head_logits, mean_cross_entropy
 from ._moe_block import MoEOptions, weighted_aux
+from ._packed import next_token_batch
 
 __all__ = ["gpt_stages"]
 
@@ -14,7 +15,8 @@ __all__ = ["gpt_stages"]
 def gpt_stages(model: Any = None) -> Stages:
     """The [`eqxpar.train.Stages`][] of an [`eqxpar.models.GPT`][] built with
     `scan_layers=True` (or converted with [`eqxpar.models.stack_blocks`][]), whose batch
-    is `(batch, seq + 1)` token ids: the embeddings (token and position, with dropout)
+    is `(batch, seq + 1)` token ids (or packed documents, as
+    [`eqxpar.models.next_token_loss`][] takes them): the embeddings (token and position, with dropout)
     first, the transformer blocks stacked, the final norm, head and next-token
     cross-entropy last (the GPT's own parts, as [`eqxpar.models.next_token_loss`][] runs
     them). Without dropout (or without a key) it computes exactly the GPT's own loss; with
@@ -49,19 +51,29 @@ def gpt_stages(model: Any = None) -> Stages:
     """
     moe: MoEOptions | None = getattr(model, "moe", None)
 
+    # Packed documents (a dict batch, see next_token_batch): the residual stream travels
+    # between stages with the inputs' segment ids, `(x, segment_ids)`, so that every stage's
+    # attention stays inside each document.
     def first(model, tokens, key):
-        return embed_tokens(model, tokens[..., :-1], key=key, inference=key is None)
+        batch = next_token_batch(tokens)
+        x = embed_tokens(model, batch["inputs"], key=key, inference=key is None, positions=batch["positions"])
+        return x if batch["segment_ids"] is None else (x, batch["segment_ids"])
 
     def layer(block, x, key):
+        if isinstance(x, tuple):
+            return block(x[0], key=key, inference=key is None, segment_ids=x[1]), x[1]
         return block(x, key=key, inference=key is None)
 
     def moe_layer(block, x, key):
-        x, aux = block(x, key=key, inference=key is None)
+        segments = x[1] if isinstance(x, tuple) else None
+        out, aux = block(x[0] if isinstance(x, tuple) else x, key=key, inference=key is None, segment_ids=segments)
         assert moe is not None  # only with moe
-        return x, weighted_aux(moe, aux)
+        return (out if segments is None else (out, segments)), weighted_aux(moe, aux)
 
     def last(model, x, tokens, key):
-        return mean_cross_entropy(model, head_logits(model, x), tokens[..., 1:])
+        batch = next_token_batch(tokens)
+        logits = head_logits(model, x[0] if isinstance(x, tuple) else x)
+        return mean_cross_entropy(model, logits, batch["targets"], batch["loss_weights"])
 
     _check_every(moe)
 

@@ -17,6 +17,7 @@ y = forward(eqxpar.shard(mlp, mesh, specs), x)  # equals eqx.nn.MLP's output
 
 from ._all_gather_attention import all_gather_attention
 from ._attention import ATTENTION_IMPLS, ParallelMultiheadAttention
+from ._attention_inputs import segment_mask
 from ._attention_kernels import fused_attention
 from ._base import TensorParallelLayer, gather_sequence
 from ._context_layout import context_positions, layout_order, zigzag_inverse, zigzag_order
@@ -50,6 +51,7 @@ __all__ = [
     "expert_capacity",
     "ParallelMultiheadAttention",
     "fused_attention",
+    "segment_mask",
     "gather_sequence",
     "VocabParallelEmbedding",
     "vocab_parallel_cross_entropy",

@@ -7,9 +7,17 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
-from ._context_blocks import attention_logits, causal_visible, check_bound, check_qkv
+from ._context_blocks import (
+    attention_logits,
+    both_visible,
+    causal_visible,
+    check_bound,
+    check_qkv,
+    check_segment_ids,
+    segment_visible,
+)
 from ._context_layout import Layout, check_layout, context_positions, layout_order
 
 __all__ = ["all_gather_attention"]
@@ -23,6 +31,7 @@ def all_gather_attention(
     axis_name: str,
     causal: bool,
     layout: Layout = "zigzag",
+    segment_ids: Int[Array, "*batch seq"] | None = None,
 ) -> Float[Array, "*batch seq heads vo"]:
     """Softmax attention over a sequence split across `axis_name`, by gathering every
     device's keys and values once (inside `shard_map`).
@@ -33,7 +42,8 @@ def all_gather_attention(
     [`eqxpar.nn.ring_attention`][], in one collective each way, with the whole sequence's
     keys and values alive on every device.
 
-    **Arguments:** as [`eqxpar.nn.ring_attention`][].
+    **Arguments:** as [`eqxpar.nn.ring_attention`][] (the segment ids are gathered with the
+    keys and values).
 
     **Returns:** as [`eqxpar.nn.ring_attention`][].
 
@@ -42,14 +52,18 @@ def all_gather_attention(
     check_layout(layout, "all_gather_attention")
     check_qkv(q, k, v, "all_gather_attention")
     check_bound(axis_name, "all_gather_attention")
+    check_segment_ids(segment_ids, q, "all_gather_attention")
     local = q.shape[-3]
     seq_axis = q.ndim - 3
     size = jax.lax.axis_size(axis_name)
     k_all, v_all = (k, v) if size == 1 else jax.lax.all_gather((k, v), axis_name, axis=seq_axis, tiled=True)
+    k_seg = segment_ids
+    if segment_ids is not None and size > 1:
+        k_seg = jax.lax.all_gather(segment_ids, axis_name, axis=segment_ids.ndim - 1, tiled=True)
     k_pos = jnp.asarray(layout_order(local * size, size, layout), jnp.int32)
     q_pos = context_positions(local, axis_name, layout)
     logits = attention_logits(q, k_all, 1.0 / math.sqrt(q.shape[-1]))
-    visible = causal_visible(q_pos, k_pos, causal)
+    visible = both_visible(causal_visible(q_pos, k_pos, causal), segment_visible(segment_ids, k_seg))
     if visible is not None:
         logits = jnp.where(visible, logits, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(logits, axis=-1)

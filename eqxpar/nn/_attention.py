@@ -8,10 +8,10 @@ from typing import Literal
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ._all_gather_attention import all_gather_attention
-from ._attention_inputs import check_shapes, local_mask
+from ._attention_inputs import check_segment_shape, check_shapes, local_mask, segment_mask
 from ._attention_kernels import fused_attention, reference_attention
 from ._base import TensorParallelLayer, gather_sequence, skeleton, to_varying
 from ._context_layout import LAYOUTS, Layout
@@ -268,6 +268,7 @@ class ParallelMultiheadAttention(TensorParallelLayer):
         value: Float[Array, "*batch kv_seq v_size"] | None = None,
         mask: Bool[Array, "*batch q_seq kv_seq"] | Bool[Array, "*batch num_heads q_seq kv_seq"] | None = None,
         *,
+        segment_ids: Int[Array, "*batch seq"] | None = None,
         key: PRNGKeyArray | None = None,
         inference: bool | None = None,
         sequence_dim: int | None = None,
@@ -285,6 +286,13 @@ class ParallelMultiheadAttention(TensorParallelLayer):
         - `mask`: `False` hides a position. `(q_seq, kv_seq)` for every head (and example),
           `(*batch, q_seq, kv_seq)` per example, or with a head axis before the last two,
           `(*batch, num_heads, q_seq, kv_seq)` (all heads: each device takes its own).
+        - `segment_ids`: packed documents in self-attention: `(*batch, seq)` integers, one
+          id per document of each row; a query attends only to keys with its own id
+          (combined with `causal` and `mask`). With `sequence_dim`, they cover the whole
+          sequences (as `mask` does); with `"ring"`/`"all_gather"`, this device's block in
+          the context layout. Every implementation takes them (`"dot_product"` as a mask:
+          XLA's attention, since cuDNN's fused kernel through `jax.nn.dot_product_attention`
+          takes no document ids).
         - `key`: the dropout key, the same on every device.
         - `inference`: as in `eqx.nn.Dropout`.
         - `sequence_dim`: Megatron sequence parallelism: the inputs are this device's
@@ -329,16 +337,20 @@ class ParallelMultiheadAttention(TensorParallelLayer):
                 q, k, v = self._process_heads(process_heads, q, k, v, len(lead))
 
             mask = local_mask(mask, len(lead), first, heads, self.num_heads)
+            if segment_ids is not None and self.attention_impl not in ("ring", "all_gather"):
+                check_segment_shape(segment_ids, lead, q_seq, kv_seq)
+                documents = segment_mask(segment_ids)
+                mask = documents if mask is None else mask & documents
             dropout_off = inference if inference is not None else self.dropout.inference
             dropout_off = dropout_off or (isinstance(self.dropout.p, (int, float)) and self.dropout.p == 0)
             if self.attention_impl in ("ring", "all_gather"):
-                out = self._context_attention(q, k, v, mask, dropout_off)
+                out = self._context_attention(q, k, v, mask, dropout_off, segment_ids)
             elif self.attention_impl == "dot_product" and dropout_off and self.qk_size == self.vo_size:
                 out = fused_attention(q, k, v, mask, causal=self.causal)
             else:
                 if self.causal:
                     causal = jnp.tril(jnp.ones((q_seq, kv_seq), bool), k=kv_seq - q_seq)
-                    mask = causal if mask is None else mask & causal
+                    mask = causal if mask is None else mask & causal.reshape((1,) * (mask.ndim - 2) + causal.shape)
                 # eqx.nn.MultiheadAttention gives head h the key split(key, num_heads)[h].
                 keys = None
                 if key is not None:
@@ -362,7 +374,7 @@ class ParallelMultiheadAttention(TensorParallelLayer):
             raise ValueError("ParallelMultiheadAttention: process_heads must not change the shape of the heads.")
         return out
 
-    def _context_attention(self, q, k, v, mask, dropout_off: bool):
+    def _context_attention(self, q, k, v, mask, dropout_off: bool, segment_ids):
         """Attention over a sequence split across the context axis (see `attention_impl`)."""
         if mask is not None or not dropout_off:
             raise ValueError(
@@ -371,4 +383,12 @@ class ParallelMultiheadAttention(TensorParallelLayer):
                 f"causal mask, and dropout_p=0 or inference=True."
             )
         attend = ring_attention if self.attention_impl == "ring" else all_gather_attention
-        return attend(q, k, v, axis_name=self.context_axis, causal=self.causal, layout=self.context_layout)
+        return attend(
+            q,
+            k,
+            v,
+            axis_name=self.context_axis,
+            causal=self.causal,
+            layout=self.context_layout,
+            segment_ids=segment_ids,
+        )

@@ -1,12 +1,13 @@
-"""The inputs of `ParallelMultiheadAttention` (`_attention.py`): their shapes checked, and
-the mask laid out with this device's heads."""
+"""The inputs of `ParallelMultiheadAttention` (`_attention.py`): their shapes checked, the
+mask laid out with this device's heads, and packed documents' segment ids as a mask."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Int
 
-__all__ = ["check_shapes", "local_mask"]
+__all__ = ["check_shapes", "local_mask", "check_segment_shape", "segment_mask"]
 
 
 def check_shapes(query, key_, value) -> None:
@@ -44,3 +45,33 @@ def local_mask(mask, batch_dims: int, first, heads: int, num_heads: int):
         f"{batch_dims} batch dimension(s): pass (q_seq, kv_seq), (*batch, q_seq, kv_seq) or "
         f"(*batch, num_heads, q_seq, kv_seq)."
     )
+
+
+def check_segment_shape(segment_ids, lead: tuple[int, ...], q_seq: int, kv_seq: int) -> None:
+    """Segment ids fit self-attention over `q_seq` positions: integers of shape `(*lead, q_seq)`."""
+    segment_ids = jnp.asarray(segment_ids)
+    if q_seq != kv_seq or segment_ids.shape != (*lead, q_seq) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise ValueError(
+            f"ParallelMultiheadAttention: segment_ids must be integers of shape (*batch, seq) = {(*lead, q_seq)} "
+            f"(self-attention over whole sequences: with sequence_dim, all of each sequence), got "
+            f"{segment_ids.dtype} {segment_ids.shape} for {q_seq} queries and {kv_seq} keys."
+        )
+
+
+def segment_mask(segment_ids: Int[Array, "*batch seq"] | None) -> Bool[Array, "*batch 1 seq seq"] | None:
+    """The attention mask of packed documents: True where query and key have the same segment
+    id, with a head axis of 1 to broadcast over the heads; `None` for `None`.
+
+    **Arguments:**
+
+    - `segment_ids`: `(*batch, seq)` integers, one id per document in each row (e.g. the
+      `segment_ids` of [`eqxpar.data.text.PackedRows`][]).
+
+    **Returns:**
+
+    `(*batch, 1, seq, seq)` booleans, or `None`; combine with a causal mask by `&`.
+    """
+    if segment_ids is None:
+        return None
+    segment_ids = jnp.asarray(segment_ids)
+    return (segment_ids[..., :, None] == segment_ids[..., None, :])[..., None, :, :]

@@ -1,13 +1,22 @@
 """What ring and all-gather attention share (see `eqxpar/nn/_ring_attention.py`): the
-checks of their inputs and of their axis, their float32 logits and the causal mask between
-original positions."""
+checks of their inputs and of their axis, their float32 logits, and which keys a query sees:
+the causal mask between original positions and, for packed documents, the mask of equal
+segment ids."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["attention_logits", "causal_visible", "check_qkv", "check_bound"]
+__all__ = [
+    "attention_logits",
+    "causal_visible",
+    "segment_visible",
+    "both_visible",
+    "check_qkv",
+    "check_bound",
+    "check_segment_ids",
+]
 
 
 def attention_logits(q, k, scale):
@@ -19,6 +28,32 @@ def causal_visible(q_pos, k_pos, causal: bool):
     if not causal:
         return None
     return q_pos[:, None] >= k_pos[None, :]
+
+
+def segment_visible(q_segments, k_segments):
+    """`(*batch, 1, q, k)`: True where query and key belong to the same document (equal
+    segment ids), broadcast over the heads; `None` without segment ids."""
+    if q_segments is None:
+        return None
+    return (q_segments[..., :, None] == k_segments[..., None, :])[..., None, :, :]
+
+
+def both_visible(causal, segments):
+    """The keys both masks let a query see (either may be `None`: no mask)."""
+    if causal is None or segments is None:
+        return segments if causal is None else causal
+    return causal.reshape((1,) * (segments.ndim - causal.ndim) + causal.shape) & segments
+
+
+def check_segment_ids(segment_ids, q, who: str) -> None:
+    """`segment_ids` (or `None`) must be integers of shape `q.shape[:-2]`: `(*batch, seq)`."""
+    if segment_ids is None:
+        return
+    if segment_ids.shape != q.shape[:-2] or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise ValueError(
+            f"{who}: segment_ids must be integers of shape (*batch, seq) = {q.shape[:-2]} (this device's block, "
+            f"in the layout of q), got {segment_ids.dtype} {segment_ids.shape}."
+        )
 
 
 def check_qkv(q, k, v, who: str) -> None:

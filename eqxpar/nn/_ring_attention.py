@@ -35,9 +35,17 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
-from ._context_blocks import attention_logits, causal_visible, check_bound, check_qkv
+from ._context_blocks import (
+    attention_logits,
+    both_visible,
+    causal_visible,
+    check_bound,
+    check_qkv,
+    check_segment_ids,
+    segment_visible,
+)
 from ._context_layout import Layout, check_layout, context_positions
 
 __all__ = ["ring_attention"]
@@ -55,6 +63,7 @@ def ring_attention(
     axis_name: str,
     causal: bool,
     layout: Layout = "zigzag",
+    segment_ids: Int[Array, "*batch seq"] | None = None,
 ) -> Float[Array, "*batch seq heads vo"]:
     """Softmax attention over a sequence split across `axis_name`, by passing key/value
     blocks around a ring (inside `shard_map`).
@@ -74,6 +83,10 @@ def ring_attention(
     - `causal`: whether position `p` sees only keys at positions `<= p` (the original
       positions, whatever the layout).
     - `layout`: `"zigzag"` (default) or `"contiguous"`, as the sequence was split.
+    - `segment_ids`: packed documents: this device's block of each sequence's document ids,
+      `(*batch, L)` in the same layout; a query sees only keys of its own document. The ids
+      travel around the ring with their key/value block (`L` integers a hop). `None`: one
+      document per sequence.
 
     **Returns:**
 
@@ -87,7 +100,8 @@ def ring_attention(
     check_layout(layout, "ring_attention")
     check_qkv(q, k, v, "ring_attention")
     check_bound(axis_name, "ring_attention")
-    return _ring(q, k, v, axis_name, bool(causal), layout)
+    check_segment_ids(segment_ids, q, "ring_attention")
+    return _ring(q, k, v, segment_ids, axis_name, bool(causal), layout)
 
 
 def _fold(state, q, k, v, scale, visible):
@@ -124,7 +138,7 @@ def _skip_masked(step: int, causal: bool) -> bool:
     return causal and step > 0
 
 
-def _ring_forward_pass(q, k, v, axis_name, causal, layout):
+def _ring_forward_pass(q, k, v, segments, axis_name, causal, layout):
     size = jax.lax.axis_size(axis_name)
     index = jax.lax.axis_index(axis_name)
     local = q.shape[-3]
@@ -138,17 +152,29 @@ def _ring_forward_pass(q, k, v, axis_name, causal, layout):
         jnp.zeros((*lead, local, heads, v.shape[-1]), jnp.float32),
     )
     perm = _ring_perm(size)
+    # Packed documents: the key block's segment ids travel with it (`k_seg`), and every fold
+    # also hides the keys of other documents.
+    k_seg = segments
     for step in range(size):
         with jax.named_scope(f"ring_step_{step}"):
             source = (index - step) % size
             earlier = source < index
             if not _skip_masked(step, causal):
-                visible = causal_visible(q_pos, _positions_of(source, local, size, layout), causal)
+                visible = both_visible(
+                    causal_visible(q_pos, _positions_of(source, local, size, layout), causal),
+                    segment_visible(segments, k_seg),
+                )
                 state = _fold(state, q, k, v, scale, visible)
             elif layout == "contiguous":
                 # An earlier device's block is wholly visible, a later one's wholly hidden.
                 state = jax.lax.cond(
-                    earlier, lambda st, k, v: _fold(st, q, k, v, scale, None), lambda st, k, v: st, state, k, v
+                    earlier,
+                    lambda st, k, v, ks: _fold(st, q, k, v, scale, segment_visible(segments, ks)),
+                    lambda st, k, v, ks: st,
+                    state,
+                    k,
+                    v,
+                    k_seg,
                 )
             else:
                 # Zigzag: an earlier device's first chunk is visible to all our rows (its
@@ -156,20 +182,34 @@ def _ring_forward_pass(q, k, v, axis_name, causal, layout):
                 # second chunk only. Half a block of work either way, on every device.
                 state = jax.lax.cond(
                     earlier,
-                    lambda st, k, v: _fold(st, q, k[..., :half, :, :], v[..., :half, :, :], scale, None),
-                    lambda st, k, v: _with_late_rows(
-                        st, _fold(_late_rows(st, half), q[..., half:, :, :], k, v, scale, None), half
+                    lambda st, k, v, ks: _fold(
+                        st, q, k[..., :half, :, :], v[..., :half, :, :], scale, _segments(segments, ks, None, half)
+                    ),
+                    lambda st, k, v, ks: _with_late_rows(
+                        st,
+                        _fold(
+                            _late_rows(st, half), q[..., half:, :, :], k, v, scale, _segments(segments, ks, half, None)
+                        ),
+                        half,
                     ),
                     state,
                     k,
                     v,
+                    k_seg,
                 )
             if step < size - 1:
-                k, v = jax.lax.ppermute((k, v), axis_name, perm)
+                k, v, k_seg = jax.lax.ppermute((k, v, k_seg), axis_name, perm)
     m, total, out = state
     out = out / jnp.swapaxes(total, -1, -2)[..., None]
     lse = m + jnp.log(total)
     return out.astype(q.dtype), lse
+
+
+def _segments(segments, k_seg, q_from, k_to):
+    """The segment mask of query rows `q_from:` against key rows `:k_to` (None: all)."""
+    if segments is None:
+        return None
+    return segment_visible(segments[..., slice(q_from, None)], k_seg[..., slice(None, k_to)])
 
 
 def _positions_of(source, local: int, size: int, layout: str):
@@ -181,18 +221,18 @@ def _positions_of(source, local: int, size: int, layout: str):
     return jnp.concatenate([source * half + t, (2 * size - 1 - source) * half + t])
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _ring(q, k, v, axis_name, causal, layout):
-    return _ring_forward_pass(q, k, v, axis_name, causal, layout)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _ring(q, k, v, segments, axis_name, causal, layout):
+    return _ring_forward_pass(q, k, v, segments, axis_name, causal, layout)[0]
 
 
-def _ring_fwd(q, k, v, axis_name, causal, layout):
-    out, lse = _ring_forward_pass(q, k, v, axis_name, causal, layout)
-    return out, (q, k, v, out, lse)
+def _ring_fwd(q, k, v, segments, axis_name, causal, layout):
+    out, lse = _ring_forward_pass(q, k, v, segments, axis_name, causal, layout)
+    return out, (q, k, v, segments, out, lse)
 
 
 def _ring_bwd(axis_name, causal, layout, residuals, d_out):
-    q, k, v, out, lse = residuals
+    q, k, v, segments, out, lse = residuals
     size = jax.lax.axis_size(axis_name)
     index = jax.lax.axis_index(axis_name)
     local = q.shape[-3]
@@ -229,34 +269,55 @@ def _ring_bwd(axis_name, causal, layout, residuals, d_out):
         return total + update if rows == slice(None) else total.at[..., rows, :, :].add(update)
 
     every, first, second = slice(None), slice(None, half), slice(half, None)
+    k_seg = segments
     for step in range(size):
         with jax.named_scope(f"ring_step_{step}_backward"):
             source = (index + step) % size
             earlier = source < index
             acc = (dq, dk, dv)
             if not _skip_masked(step, causal):
-                visible = causal_visible(q_pos, _positions_of(source, local, size, layout), causal)
+                visible = both_visible(
+                    causal_visible(q_pos, _positions_of(source, local, size, layout), causal),
+                    segment_visible(segments, k_seg),
+                )
                 acc = grads(acc, q, k, v, every, every, visible)
             elif layout == "contiguous":
                 acc = jax.lax.cond(
-                    earlier, lambda a, k, v: grads(a, q, k, v, every, every, None), lambda a, k, v: a, acc, k, v
+                    earlier,
+                    lambda a, k, v, ks: grads(a, q, k, v, every, every, segment_visible(segments, ks)),
+                    lambda a, k, v, ks: a,
+                    acc,
+                    k,
+                    v,
+                    k_seg,
                 )
             else:
                 acc = jax.lax.cond(
                     earlier,
-                    lambda a, k, v: grads(a, q, k[..., first, :, :], v[..., first, :, :], every, first, None),
-                    lambda a, k, v: grads(a, q[..., second, :, :], k, v, second, every, None),
+                    lambda a, k, v, ks: grads(
+                        a,
+                        q,
+                        k[..., first, :, :],
+                        v[..., first, :, :],
+                        every,
+                        first,
+                        _segments(segments, ks, None, half),
+                    ),
+                    lambda a, k, v, ks: grads(
+                        a, q[..., second, :, :], k, v, second, every, _segments(segments, ks, half, None)
+                    ),
                     acc,
                     k,
                     v,
+                    k_seg,
                 )
             dq, dk, dv = acc
             if step < size - 1:
-                k, v = jax.lax.ppermute((k, v), axis_name, perm)
+                k, v, k_seg = jax.lax.ppermute((k, v, k_seg), axis_name, perm)
             # The block's gradient travels with it; the last hop takes it home.
             if size > 1:
                 dk, dv = jax.lax.ppermute((dk, dv), axis_name, perm)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

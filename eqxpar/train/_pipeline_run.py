@@ -10,6 +10,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, PyTree
 
 from .._shard_map import varying_axes
@@ -100,6 +101,15 @@ def _varying(x: PyTree, axes: tuple[str, ...]) -> PyTree:
         return jax.lax.pcast(a, missing, to="varying") if missing else a
 
     return jax.tree.map(cast, x)
+
+
+def _inexact(a) -> bool:
+    return jnp.issubdtype(a.dtype, jnp.inexact)
+
+
+def _cotangent(g: PyTree) -> PyTree:
+    """`g` as `jax.vjp` takes it: the integer leaves (whose carry slots hold zeros) as float0."""
+    return jax.tree.map(lambda a: a if _inexact(a) else np.zeros(a.shape, jax.dtypes.float0), g)
 
 
 def _row(table, t, s):
@@ -196,10 +206,16 @@ def one_f_one_b(params: PyTree, static: PyTree, batch: PyTree, key: Any, plan: P
                 g_out = jax.tree.map(lambda g: jnp.where(valid, g, jnp.zeros_like(g)), g_recv)
                 seed = _varying(jnp.where(valid, 1.0, 0.0).astype(share.dtype), tuple(sorted(varying_axes(share))))
                 g_out = _varying(g_out, axes)
-                d_params, d_x = vjp((g_out, seed))
+                d_params, d_x = vjp((_cotangent(g_out), seed))
                 grads = jax.tree.map(jnp.add, grads, d_params)
                 loss = loss + jnp.where(valid, share, 0.0)
-                g_send = jax.tree.map(lambda a: jax.lax.ppermute(a, plan.stage_axis, plan.backward_perm()), d_x)
+                # Integer parts of x (packed documents' segment ids) have no gradient: their
+                # slot in the carry stays as it is, and only the others travel back.
+                g_send = jax.tree.map(
+                    lambda d, g: jax.lax.ppermute(d, plan.stage_axis, plan.backward_perm()) if _inexact(g) else g,
+                    d_x,
+                    g_recv,
+                )
             else:
                 g_send = g_recv
             return (x_send, g_send, stash, grads, loss), None
