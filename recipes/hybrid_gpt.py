@@ -1,6 +1,7 @@
 """Hybrid data x tensor parallel training of a GPT on a 2-D mesh: eqxpar's main recipe.
 
-What it shows: a character-level GPT trained on Python's own source code, on a
+What it shows: a GPT trained on your text (`--data`, `--tokenizer`; by default a corpus of
+Python's own source code, through the same tokenizer, token store and packed rows), on a
 `(data, model)` mesh. Along `model` the transformer is tensor-parallel (Megatron-style:
 each device holds 1/M of every big weight, and the layers all-reduce their activations
 with `psum`); along `data` the batch is split, and each group of devices that shares a
@@ -16,6 +17,7 @@ Run it (8 simulated CPU devices when there is no accelerator):
     python recipes/hybrid_gpt.py --devices 1              # a one-device machine (--mesh auto)
     python recipes/hybrid_gpt.py --layout auto            # the planner's fastest layout that fits
     python recipes/hybrid_gpt.py --steps 50 --metrics-out /tmp/gpt.json
+    python recipes/hybrid_gpt.py --data corpus/*.jsonl --tokenizer tokenizer.json
     python recipes/hybrid_gpt.py --checkpoint-dir /tmp/gpt --checkpoint-every 100 --resume
 
 Every factorisation of the devices trains the same model on the same batches, so the
@@ -31,12 +33,10 @@ import math
 import jax
 import numpy as np
 import optax
-from jax.sharding import PartitionSpec as P
 
 import eqxpar
 import eqxpar.nn
 import eqxpar.recipe
-from eqxpar.datasets import python_source_text, text_windows
 from eqxpar.inspect import CommReport, MemoryReport
 from eqxpar.models import GPT, generate, next_token_loss, whole_logits
 from eqxpar.train import hybrid_step
@@ -44,19 +44,23 @@ from eqxpar.train import hybrid_step
 
 @dataclasses.dataclass
 class Config(
-    eqxpar.recipe.CheckpointFlags, eqxpar.recipe.LogFlags, eqxpar.recipe.GPTFlags, eqxpar.recipe.LayoutFlags
+    eqxpar.recipe.CheckpointFlags,
+    eqxpar.recipe.LogFlags,
+    eqxpar.recipe.GPTFlags,
+    eqxpar.recipe.LayoutFlags,
+    eqxpar.recipe.TextFlags,
 ):  # + their flags
     devices: int = 8  # simulated CPU devices when there is no accelerator
     mesh: str = "auto"  # batch split over `data`, layers over `model`, e.g. data=2,model=4; auto: fit the devices
     steps: int = 800  # training steps
     batch_size: int = 32  # the global batch: sequences per step, over all replicas
-    context: int = 64  # characters the model sees
+    context: int = 64  # tokens the model sees (its position table); --seq-len: tokens per training row
     dim: int = 64  # the model's width
     heads: int = 8  # attention heads (the model axis size must divide them)
     layers: int = 2  # transformer blocks
     learning_rate: float = 3e-3  # AdamW step size
     seed: int = 0  # seeds the weights, the batches and the sample
-    sample_chars: int = 200  # characters sampled at the end; 0: no sample
+    sample_chars: int = 100  # tokens sampled at the end; 0: no sample
     metrics_out: str | None = None  # write the results as JSON here
     eval_every: int = 0  # held-out loss every N steps (printed, and in --log-dir); 0: only at the end
 
@@ -68,6 +72,7 @@ def check_flags(cfg: Config) -> Config:
     eqxpar.recipe.require_positive(cfg, "steps", "batch_size", "context", "dim", "heads", "layers")
     if not cfg.learning_rate > 0:
         raise ValueError(f"--learning-rate must be positive, got {cfg.learning_rate}.")
+    cfg = eqxpar.recipe.check_text_flags(cfg, context=cfg.context)  # --data, --tokenizer, --seq-len
     if cfg.dim % cfg.heads:
         raise ValueError(f"--dim {cfg.dim} is not divisible by --heads {cfg.heads}: every head needs the same width.")
     if cfg.layout == "auto":  # the planner chooses the mesh (in main), and checks what divides what
@@ -89,12 +94,13 @@ def main(argv=None) -> dict:
     with eqxpar.recipe.flag_errors():
         ckpt = eqxpar.checkpoint.Checkpointer.from_config(cfg, shape_fields=("context", "dim", "layers", "scan_layers"))
 
-    # --- Data: characters of some standard-library modules; the last 10% held out. ---
-    # Each step's batch is a pure function of (seed, step): any mesh, and a resumed run,
-    # sees the same batches.
-    text = python_source_text()
-    split = int(0.9 * len(text.ids))
-    train_ids, val_ids = text.ids[:split], text.ids[split:]
+    # --- Data: the corpus tokenized once into a token store (reused while the tokenizer
+    # and files match), cut into packed rows of --seq-len + 1 tokens with each token's
+    # document and position in it; the last --held-out share of documents held out. Each
+    # step's batch is a pure function of (seed, step): any mesh, any number of processes,
+    # and a resumed run see the same batches. ---
+    with eqxpar.recipe.flag_errors():  # unreadable files or tokenizer, a stale store: one line, exit 2
+        text = eqxpar.recipe.load_text(cfg)
 
     # --- Layout (--layout auto): the planner prices every data x model layout of these
     # devices, with each remat policy, from the shapes alone (eqxpar.plan: exact collective
@@ -131,6 +137,8 @@ def main(argv=None) -> dict:
     # statistics there). `hybrid_step` differentiates it, then does the one psum over
     # `data` that adds up the replicas' gradients (see eqxpar/train/_gradients.py), and
     # applies AdamW to the global gradient, each device updating its own blocks.
+    # A packed batch (`{"tokens", "segment_ids", "positions"}`) keeps attention inside each
+    # document; with --no-document-mask it is the tokens alone (plain causal attention).
     def loss_fn(model, tokens, key):
         return next_token_loss(model, tokens, key=key)
 
@@ -142,8 +150,7 @@ def main(argv=None) -> dict:
     model, opt_state = step.init(model)  # the model split by `specs`, AdamW's state beside it
 
     def batch(i: int):
-        tokens = text_windows(train_ids, cfg.batch_size, cfg.context, seed=cfg.seed, step=i)
-        return eqxpar.shard(tokens, mesh, P("data"))
+        return text.batch(i, mesh, global_batch_size=cfg.batch_size, seed=cfg.seed, batch_axis="data")
 
     # What one step communicates and holds per device, read from the compiled program.
     lowered = step.lower(model, opt_state, batch(0), train_key)
@@ -162,14 +169,20 @@ def main(argv=None) -> dict:
 
     # The held-out loss: every --eval-every steps, and at the end.
     evaluate = eqxpar.recipe.held_out_loss(lambda model, tokens: next_token_loss(model, tokens), mesh, specs)
-    val_tokens = text_windows(val_ids, 64, cfg.context, seed=1234, step=0)
+    val_batch, val_counts = text.val_batch(mesh)
+
+    def val_metrics(model):  # val_loss, val_perplexity, val_bits_per_byte
+        return text.val_metrics(float(evaluate(model, val_batch)), val_counts)
+
+    def val_loss_of(model):
+        return val_metrics(model)["val_loss"]
 
     # --- Training loop. --log-dir: metrics every --log-every steps, TensorBoard, config.json. ---
     # The loop never waits for the device but every --log-every steps, where run_log fetches
     # those steps' losses in one go (and at evaluations, checkpoints and the end).
     run_log = eqxpar.recipe.RunLog.from_config(
         cfg,
-        items_per_step=cfg.batch_size * cfg.context,
+        items_per_step=cfg.batch_size * cfg.seq_len,
         flops_per_item=flops_per_token,
         n_devices=mesh.size,
         losses=history["losses"] if history else [],
@@ -177,25 +190,27 @@ def main(argv=None) -> dict:
     for i in run_log.progress(eqxpar.recipe.steps_to_run(first_step, cfg.steps), desc=f"hybrid {cfg.mesh}"):
         model, opt_state, metrics = step(model, opt_state, batch(i), jax.random.fold_in(train_key, i))
         run_log.step(i, metrics)
-        run_log.maybe_eval(i, val_loss=functools.partial(evaluate, model, val_tokens))
+        run_log.maybe_eval(i, val_loss=functools.partial(val_loss_of, model))
         ckpt.maybe_save(i + 1, (model, opt_state, train_key), data_state=run_log.data_state, force=i + 1 == cfg.steps)
     ckpt.close()
     run_log.close()
     losses, tokens_per_second = run_log.losses, run_log.per_second  # every step's loss; tokens/s
 
     # --- Final check: held-out loss, and a sample from the trained model. ---
-    val_loss = float(evaluate(model, val_tokens))
+    val = val_metrics(model)
+    val_loss = val["val_loss"]
     sample = ""
     if cfg.sample_chars > 0:
+        prompt = np.asarray(text.tokenizer.encode("def "), np.int32)
         ids = generate(
             whole_logits(model, mesh, specs),
-            text.encode("def "),
+            prompt,
             cfg.sample_chars,
             context_length=cfg.context,
             key=sample_key,
             temperature=0.8,
         )
-        sample = text.decode(ids)
+        sample = text.tokenizer.decode(np.asarray(ids).tolist())
 
     params = eqxpar.sharding_report(model)
     metrics = {
@@ -205,9 +220,13 @@ def main(argv=None) -> dict:
         "first_loss": losses[0],
         "final_loss": losses[-1],
         "final_loss_mean10": float(np.mean(losses[-10:])),
-        "val_loss": val_loss,
+        **val,  # val_loss (nats per held-out token), val_perplexity, val_bits_per_byte
         "val_losses": run_log.evals,  # every --eval-every steps: {"step", "val_loss"}
-        "uniform_loss": math.log(text.vocab_size),  # guessing every character equally
+        "uniform_loss": math.log(text.vocab_size),  # guessing every token equally
+        "tokens_seen": cfg.steps * cfg.batch_size * cfg.seq_len,  # row positions trained on, resumed steps included
+        "vocab_size": text.vocab_size,
+        "seq_len": cfg.seq_len,
+        "document_mask": cfg.document_mask,
         # tokens_per_second, flops_per_token, flops_per_second, and the model FLOPs
         # utilisation against the chips' peak (mfu; null where the peak is unknown: CPU).
         **eqxpar.recipe.speed_metrics(tokens_per_second, flops_per_token, mesh.size, cfg.dtype),
@@ -232,7 +251,8 @@ def main(argv=None) -> dict:
             print(f"\nsample:\n{sample}\n")
         print(
             f"{cfg.mesh}: loss {metrics['first_loss']:.3f} -> {metrics['final_loss_mean10']:.3f} "
-            f"(last 10 steps), held-out {val_loss:.3f} (uniform guessing {metrics['uniform_loss']:.3f}); "
+            f"(last 10 steps), held-out {val_loss:.3f} ({val['val_bits_per_byte']:.3f} bits/byte; uniform guessing "
+            f"{metrics['uniform_loss']:.3f}); "
             f"{eqxpar.recipe.speed_text(metrics)}; parameters {params.bytes_per_device:,} of "
             f"{params.bytes_total:,} bytes per device"
         )

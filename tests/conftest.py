@@ -21,6 +21,15 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ and "PYTEST_XDIST_WORKER" not i
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
+# One eqxpar cache (the bundled corpus, the BPE trained on it, token stores) for the whole run,
+# shared the same way: the language-model recipes' first run builds the default store, and every
+# later run, worker and subprocess reuses it (a store is written atomically and reused only
+# while its manifest matches). Nothing is written to the user's ~/.cache.
+if "EQXPAR_CACHE" not in os.environ and "PYTEST_XDIST_WORKER" not in os.environ:
+    _text_cache = tempfile.mkdtemp(prefix="eqxpar-tests-cache-")
+    os.environ["EQXPAR_CACHE"] = _text_cache
+    atexit.register(shutil.rmtree, _text_cache, ignore_errors=True)
+
 # The tests' programs are tiny, so compiling them, not running them, is most of the suite's
 # time, and LLVM's optimisation passes are most of a CPU compile: at -O0 the suite takes about
 # a third less CPU (tests/test_models_options.py and test_llama.py: 166 s -> 106 s). Every

@@ -37,6 +37,7 @@ from ._gpt_flags import GPTFlags, check_gpt_flags, speed_metrics, speed_text
 from ._layout import CPU_CLUSTER, LayoutFlags, auto_layout, check_compiled_peak, layout_metrics, local_cluster
 from ._log import LogFlags, RunLog
 from ._output import Throughput, is_main_process, parameter_digest, progress, steps_to_run, write_metrics
+from ._text import TextData, TextFlags, check_text_flags, load_text
 
 __all__ = [
     "parse_flags",
@@ -65,4 +66,8 @@ __all__ = [
     "local_cluster",
     "layout_metrics",
     "CPU_CLUSTER",
+    "TextFlags",
+    "check_text_flags",
+    "load_text",
+    "TextData",
 ]
