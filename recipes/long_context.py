@@ -33,24 +33,21 @@ import functools
 from typing import Literal
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
 import eqxpar
 import eqxpar.recipe
-from eqxpar.datasets import python_source_text, text_windows
 from eqxpar.inspect import CommReport, MemoryReport, context_parallel_theory, data_parallel_theory
-from eqxpar.models import GPT, gpt_activation_theory, gpt_tensor_parallel_theory
-from eqxpar.nn import layout_order, vocab_parallel_cross_entropy
+from eqxpar.models import GPT, gpt_activation_theory, gpt_tensor_parallel_theory, next_token_loss
 
 MODES = ("ring", "all_gather")
 
 
 @dataclasses.dataclass
 class Config(
-    eqxpar.recipe.CheckpointFlags, eqxpar.recipe.LogFlags, eqxpar.recipe.LayoutFlags
-):  # + checkpoint flags, --log-dir, --log-every, --layout, --memory-per-device
+    eqxpar.recipe.CheckpointFlags, eqxpar.recipe.LogFlags, eqxpar.recipe.LayoutFlags, eqxpar.recipe.TextFlags
+):  # + checkpoint flags, --log-dir, --log-every, --layout, --memory-per-device, --data and the text flags
     devices: int = 8  # simulated CPU devices when there is no accelerator
     mesh: str = "auto"  # data, context and model axes, e.g. data=2,context=2,model=2; auto: fit the devices
     attention: Literal["ring", "all_gather"] = "ring"  # ring: K/V blocks passed on; all_gather: K/V gathered per layer
@@ -59,7 +56,7 @@ class Config(
     scan_layers: bool = False  # run the blocks as one jax.lax.scan over stacked weights
     steps: int = 10  # training steps
     batch_size: int = 2  # sequences per step
-    seq_len: int = 1024  # characters per sequence
+    seq_len: int = 1024  # tokens per sequence (packed rows; the model's context)
     dim: int = 32  # the model's width
     heads: int = 4  # attention heads (the model axis size must divide them)
     layers: int = 2  # transformer blocks
@@ -72,6 +69,7 @@ class Config(
 def check_flags(cfg: Config) -> Config:
     """Every check of the flags, before anything compiles; returns `cfg` with its mesh chosen."""
     eqxpar.recipe.require_positive(cfg, "steps", "batch_size", "seq_len", "dim", "heads", "layers")
+    cfg = eqxpar.recipe.check_text_flags(cfg, context=cfg.seq_len)  # --data, --tokenizer
     if cfg.remat not in ("none", "block", "save_matmuls"):
         raise ValueError(f"--remat must be one of none, block, save_matmuls, got {cfg.remat!r}.")
     if cfg.attention not in MODES:
@@ -108,11 +106,11 @@ def check_flags(cfg: Config) -> Config:
 
 def main(argv=None) -> dict:
     cfg = eqxpar.recipe.parse_flags(Config, argv, validate=check_flags)  # bad flags: one line, exit 2
-    # --- Data: windows of Python source; each step's batch depends on (seed, step) only.
-    # The last 10% of the text is held out. ---
-    text = python_source_text()
-    split = int(0.9 * len(text.ids))
-    train_ids, val_ids = text.ids[:split], text.ids[split:]
+    # --- Data: the corpus tokenized once into a token store, cut into packed rows of
+    # --seq-len + 1 tokens with each token's document and position in it; each step's batch
+    # depends on (seed, step) only. The last --held-out share of documents is held out. ---
+    with eqxpar.recipe.flag_errors():  # unreadable files or tokenizer, a stale store: one line, exit 2
+        text = eqxpar.recipe.load_text(cfg)
 
     # --- Layout (--layout auto): the planner prices every data x context x model layout of
     # these devices, with each remat policy, ring and all-gather attention, and with and
@@ -144,13 +142,13 @@ def main(argv=None) -> dict:
     c = mesh.shape["context"]
     # Else a plan's "dot_product" on context=1: whole sequences, no context axis in the step.
     context_axis = "context" if cfg.attention in MODES else None
-    # The zigzag layout: put each sequence in the order the devices hold it, then split.
-    order = layout_order(cfg.seq_len, c, "zigzag")
 
-    def batch(i: int, ids=train_ids, seed=cfg.seed):
-        windows = text_windows(ids, cfg.batch_size, cfg.seq_len, seed=seed, step=i)
-        inputs, targets = windows[:, :-1][:, order], windows[:, 1:][:, order]
-        return eqxpar.shard((inputs, targets), mesh, P("data", "context"))
+    # Each row shifted into inputs and targets (with their documents, positions and target
+    # weights), put in the zigzag order the devices hold it, then split over data x context.
+    def batch(i: int):
+        return text.batch(
+            i, mesh, global_batch_size=cfg.batch_size, seed=cfg.seed, batch_axis="data", context_axis="context"
+        )
 
     # --- Model: the GPT, its attention over the context axis (positions follow the layout). ---
     model_key = jax.random.split(jax.random.key(cfg.seed))[0]
@@ -170,9 +168,7 @@ def main(argv=None) -> dict:
 
     def loss_fn(model, batch, key=None):
         # This device's positions of its examples: the mean over them is its share.
-        inputs, targets = batch
-        logits = model(inputs)
-        return jnp.mean(vocab_parallel_cross_entropy(logits, targets, model.axis_name, model.vocab_size))
+        return next_token_loss(model, batch)
 
     step = eqxpar.train.hybrid_step(
         loss_fn, optax.adamw(cfg.learning_rate), mesh, batch_axis="data", context_axis=context_axis
@@ -219,10 +215,11 @@ def main(argv=None) -> dict:
             mode=cfg.attention,
             model_axis="model",
             remat=cfg.remat != "none",
+            segment_ids=cfg.document_mask,  # packed documents' ids travel with K/V
         )
     comparison = comm.versus(theory)
     if eqxpar.recipe.is_main_process():
-        print(f"mesh {dict(mesh.shape)}, {cfg.seq_len} characters per sequence, {cfg.seq_len // c} per device")
+        print(f"mesh {dict(mesh.shape)}, {cfg.seq_len} tokens per sequence, {cfg.seq_len // c} per device")
         print(activations)
         print(activations.versus(saved=saved_bytes, temporaries=temp_bytes))
         print(comparison if comparison.rows else "one device: no collectives")
@@ -235,9 +232,15 @@ def main(argv=None) -> dict:
     # The held-out loss, every --eval-every steps and at the end: held-out windows laid out
     # as the training batches are, the devices' losses averaged over `data` and `context`.
     evaluate = eqxpar.recipe.held_out_loss(
-        loss_fn, mesh, eqxpar.nn.partition_specs(model, mesh), batch_spec=P("data", "context")
+        loss_fn, mesh, eqxpar.nn.partition_specs(model, mesh), batch_spec=P(None, "context")
     )
-    val_batch = batch(0, ids=val_ids, seed=1234)
+    val_batch, val_counts = text.val_batch(mesh, context_axis="context")
+
+    def val_metrics(model):  # val_loss (per held-out token), val_perplexity, val_bits_per_byte
+        return text.val_metrics(float(evaluate(model, val_batch)), val_counts)
+
+    def val_loss_of(model):
+        return val_metrics(model)["val_loss"]
 
     # --- Training loop. --log-dir: metrics every --log-every steps, TensorBoard, config.json. ---
     # The loop waits for the device only every --log-every steps (run_log fetches those steps'
@@ -253,12 +256,13 @@ def main(argv=None) -> dict:
     for i in run_log.progress(steps, desc=f"long context {cfg.mesh} {cfg.attention}"):
         model, opt_state, metrics = step(model, opt_state, batch(i))
         run_log.step(i, metrics)
-        run_log.maybe_eval(i, val_loss=functools.partial(evaluate, model, val_batch))
+        run_log.maybe_eval(i, val_loss=functools.partial(val_loss_of, model))
         ckpt.maybe_save(i + 1, (model, opt_state), data_state=run_log.data_state, force=i + 1 == cfg.steps)
     ckpt.close()
     run_log.close()
     losses = run_log.losses  # every step's loss
-    val_loss = float(evaluate(model, val_batch))
+    val = val_metrics(model)
+    val_loss = val["val_loss"]
 
     metrics = {
         "mesh": cfg.mesh,
@@ -268,8 +272,11 @@ def main(argv=None) -> dict:
         "steps": cfg.steps,
         "first_loss": losses[0],
         "final_loss": losses[-1],
-        "val_loss": val_loss,
-        "val_losses": run_log.evals,  # every --eval-every steps: {"step", "val_loss"}
+        **val,  # val_loss, val_perplexity, val_bits_per_byte
+        "val_losses": run_log.evals,
+        "tokens_seen": cfg.steps * cfg.batch_size * cfg.seq_len,
+        "vocab_size": text.vocab_size,
+        "document_mask": cfg.document_mask,  # every --eval-every steps: {"step", "val_loss"}
         "remat": cfg.remat,
         "scan_layers": cfg.scan_layers,
         "temp_bytes_per_device": int(temp_bytes),

@@ -49,6 +49,7 @@ def context_parallel_theory(
     dtype: Any = np.float32,
     remat: bool = False,
     num_kv_heads: int | None = None,
+    segment_ids: bool = False,
 ) -> CommTheory:
     """The attention traffic of a context-parallel train step (forward and backward).
 
@@ -68,6 +69,8 @@ def context_parallel_theory(
     - `dtype`: the dtype of the keys and values.
     - `remat`: the blocks are recomputed in the backward pass (`GPT(remat="block")`): the
       forward's K/V traffic runs once more.
+    - `segment_ids`: packed documents: their int32 document ids are all-gathered over the
+      context axis once per step (`eqxpar.nn.context_segment_ids`), for every layer.
 
     **Returns:**
 
@@ -108,6 +111,8 @@ def context_parallel_theory(
     kv = 2 * (batch // n_batch) * (seq_len // c) * (kv_heads // n_model) * head_dim
     item = np.dtype(dtype).itemsize
     axes = (context_axis,) if c > 1 else ()
+    ids = (batch // n_batch) * (seq_len // c) * 4 if segment_ids else 0  # one block's int32 segment ids
+    documents = theory_term("all-gather", axes, c * ids, "document ids, once per step") if ids and c > 1 else ()
     if mode == "ring":
         forward = num_layers * (c - 1) * kv * item
         return CommTheory(
@@ -117,12 +122,14 @@ def context_parallel_theory(
                 "collective-permute", axes, num_layers * c * kv * 4, "ring: K/V gradients (float32), backward"
             )
             + (theory_term("collective-permute", axes, forward, "ring: forward recomputed (remat)") if remat else ())
+            + documents
         )
     gathered = num_layers * c * kv * item
     return CommTheory(
         theory_term("all-gather", axes, gathered, "all-gather of K and V, forward")
         + theory_term("reduce-scatter", axes, gathered, "reduce-scatter of K/V gradients, backward")
         + (theory_term("all-gather", axes, gathered, "all-gather of K and V recomputed (remat)") if remat else ())
+        + documents
     )
 
 

@@ -18,6 +18,7 @@ from ..nn import (
     TensorParallelLayer,
     VocabParallelEmbedding,
     context_positions,
+    context_segment_ids,
 )
 from ._block import REMAT_CHOICES, Remat, TransformerBlock, remat_wrapper, split_keys
 from ._gpt_parts import embed_tokens, head_logits, mean_cross_entropy
@@ -302,6 +303,8 @@ class GPT(TensorParallelLayer):
                 raise ValueError(f"GPT: tokens must be (seq,) or (*batch, seq), got shape {tokens.shape}.")
             embed_key, *block_keys = split_keys(key, 1 + self.num_layers)
             rows, length = self._rows(tokens.shape[-1])
+            if self.attention_impl in ("ring", "all_gather"):  # every block's ids, gathered once per step
+                segment_ids = context_segment_ids(segment_ids, CONTEXT_AXIS)
             with jax.named_scope("embedding"):
                 x = embed_tokens(
                     self, tokens, key=embed_key, inference=inference, rows=rows, length=length, positions=positions

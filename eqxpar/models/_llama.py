@@ -17,8 +17,10 @@ from ..nn import (
     StackedLayers,
     TensorParallelLayer,
     VocabParallelEmbedding,
+    context_segment_ids,
 )
 from ._block import REMAT_CHOICES, Remat, remat_wrapper
+from ._gpt import CONTEXT_AXIS
 from ._llama_config import LlamaConfig
 from ._llama_layers import LLAMA_ATTENTION_IMPLS, LlamaBlock, RMSNorm, normal_linear
 from ._llama_parts import CONTEXT_IMPLS, embed, head_logits, mean_cross_entropy, rotary_angles
@@ -296,6 +298,8 @@ class Llama(TensorParallelLayer):
             cos, sin = rotary_angles(self, tokens.shape[-1], self.embed_tokens.weight.dtype, positions)
             if single:
                 tokens, segment_ids = tokens[None], None if segment_ids is None else segment_ids[None]
+            if self.attention_impl in CONTEXT_IMPLS:  # every block's ids, gathered once per step
+                segment_ids = context_segment_ids(segment_ids, CONTEXT_AXIS)
             x = embed(self, tokens)
             wrap = remat_wrapper(self.remat)
             if isinstance(self.layers, StackedLayers):  # self.scan_layers

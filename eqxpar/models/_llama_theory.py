@@ -144,6 +144,7 @@ def llama_context_parallel_theory(
     batch_axis: AxisNames | None = None,
     context_axis: str = "context",
     remat: bool | str = False,
+    segment_ids: bool = False,
 ) -> CommTheory:
     """What a context-parallel [`eqxpar.models.Llama`][] step's attention sends over the
     context axis: [`eqxpar.inspect.context_parallel_theory`][] with the Llama's shapes.
@@ -169,6 +170,8 @@ def llama_context_parallel_theory(
     - `model`, `mesh`, `batch_size`, `seq_len`, `batch_axis`, `remat`: as in
       [`eqxpar.models.llama_tensor_parallel_theory`][].
     - `context_axis`: the axis every sequence is split over (the Llama's `"context"`).
+    - `segment_ids`: packed documents: their ids' one all-gather per step (see
+      [`eqxpar.inspect.context_parallel_theory`][]).
 
     **Returns:**
 
@@ -203,6 +206,7 @@ def llama_context_parallel_theory(
         model_axis=model.axis_name,
         dtype=model.embed_tokens.weight.dtype,
         remat=attention_again,
+        segment_ids=segment_ids,
     )
 
 

@@ -20,6 +20,7 @@ from ._attention import ATTENTION_IMPLS, ParallelMultiheadAttention
 from ._attention_inputs import segment_mask
 from ._attention_kernels import fused_attention
 from ._base import TensorParallelLayer, gather_sequence
+from ._context_blocks import context_segment_ids
 from ._context_layout import context_positions, layout_order, zigzag_inverse, zigzag_order
 from ._convert import from_dense, partition_specs, to_dense
 from ._embedding import VocabParallelEmbedding, vocab_parallel_cross_entropy
@@ -73,4 +74,5 @@ __all__ = [
     "zigzag_inverse",
     "layout_order",
     "context_positions",
+    "context_segment_ids",
 ]

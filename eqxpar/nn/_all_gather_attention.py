@@ -42,8 +42,7 @@ def all_gather_attention(
     [`eqxpar.nn.ring_attention`][], in one collective each way, with the whole sequence's
     keys and values alive on every device.
 
-    **Arguments:** as [`eqxpar.nn.ring_attention`][] (the segment ids are gathered with the
-    keys and values).
+    **Arguments:** as [`eqxpar.nn.ring_attention`][].
 
     **Returns:** as [`eqxpar.nn.ring_attention`][].
 
@@ -52,18 +51,20 @@ def all_gather_attention(
     check_layout(layout, "all_gather_attention")
     check_qkv(q, k, v, "all_gather_attention")
     check_bound(axis_name, "all_gather_attention")
-    check_segment_ids(segment_ids, q, "all_gather_attention")
+    check_segment_ids(segment_ids, q, axis_name, "all_gather_attention")
     local = q.shape[-3]
     seq_axis = q.ndim - 3
     size = jax.lax.axis_size(axis_name)
     k_all, v_all = (k, v) if size == 1 else jax.lax.all_gather((k, v), axis_name, axis=seq_axis, tiled=True)
-    k_seg = segment_ids
-    if segment_ids is not None and size > 1:
-        k_seg = jax.lax.all_gather(segment_ids, axis_name, axis=segment_ids.ndim - 1, tiled=True)
+    # Packed documents: the ids of every block, gathered once per step by the model.
+    k_seg, q_seg = segment_ids, None
+    if segment_ids is not None:
+        index = jax.lax.axis_index(axis_name)
+        q_seg = jax.lax.dynamic_slice_in_dim(segment_ids, index * local, local, axis=segment_ids.ndim - 1)
     k_pos = jnp.asarray(layout_order(local * size, size, layout), jnp.int32)
     q_pos = context_positions(local, axis_name, layout)
     logits = attention_logits(q, k_all, 1.0 / math.sqrt(q.shape[-1]))
-    visible = both_visible(causal_visible(q_pos, k_pos, causal), segment_visible(segment_ids, k_seg))
+    visible = both_visible(causal_visible(q_pos, k_pos, causal), segment_visible(q_seg, k_seg))
     if visible is not None:
         logits = jnp.where(visible, logits, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(logits, axis=-1)

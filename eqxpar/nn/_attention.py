@@ -289,8 +289,9 @@ class ParallelMultiheadAttention(TensorParallelLayer):
         - `segment_ids`: packed documents in self-attention: `(*batch, seq)` integers, one
           id per document of each row; a query attends only to keys with its own id
           (combined with `causal` and `mask`). With `sequence_dim`, they cover the whole
-          sequences (as `mask` does); with `"ring"`/`"all_gather"`, this device's block in
-          the context layout. Every implementation takes them (`"dot_product"` as a mask:
+          sequences (as `mask` does); with `"ring"`/`"all_gather"`, every device's block in
+          the context layout, `(*batch, C x seq)`, as [`eqxpar.nn.context_segment_ids`][]
+          gathers them once per step. Every implementation takes them (`"dot_product"` as a mask:
           XLA's attention, since cuDNN's fused kernel through `jax.nn.dot_product_attention`
           takes no document ids).
         - `key`: the dropout key, the same on every device.

@@ -45,15 +45,37 @@ def both_visible(causal, segments):
     return causal.reshape((1,) * (segments.ndim - causal.ndim) + causal.shape) & segments
 
 
-def check_segment_ids(segment_ids, q, who: str) -> None:
-    """`segment_ids` (or `None`) must be integers of shape `q.shape[:-2]`: `(*batch, seq)`."""
+def check_segment_ids(segment_ids, q, axis_name: str, who: str) -> None:
+    """`segment_ids` (or `None`) must be the integers of every device's block, `(*batch, C L)`."""
     if segment_ids is None:
         return
-    if segment_ids.shape != q.shape[:-2] or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+    whole = (*q.shape[:-3], q.shape[-3] * jax.lax.axis_size(axis_name))
+    if segment_ids.shape != whole or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
         raise ValueError(
-            f"{who}: segment_ids must be integers of shape (*batch, seq) = {q.shape[:-2]} (this device's block, "
-            f"in the layout of q), got {segment_ids.dtype} {segment_ids.shape}."
+            f"{who}: segment_ids must be integers of shape (*batch, C x L) = {whole}: every device's block of the "
+            f"ids along {axis_name!r}, as eqxpar.nn.context_segment_ids gathers them; got {segment_ids.dtype} "
+            f"{segment_ids.shape}."
         )
+
+
+def context_segment_ids(segment_ids, axis_name: str):
+    """The document ids every context-parallel attention of a step reads: this device's block
+    `(*batch, L)` of each sequence's ids gathered over `axis_name` into `(*batch, C L)` (device
+    `j`'s block at `[j L, (j + 1) L)`), once per step, so that no layer sends them again.
+
+    **Arguments:**
+
+    - `segment_ids`: this device's block, in the context layout, or `None`.
+    - `axis_name`: the context axis.
+
+    **Returns:**
+
+    The gathered ids (`None` for `None`), for [`eqxpar.nn.ring_attention`][] and
+    [`eqxpar.nn.all_gather_attention`][]'s `segment_ids`.
+    """
+    if segment_ids is None:
+        return None
+    return jax.lax.all_gather(segment_ids, axis_name, axis=segment_ids.ndim - 1, tiled=True)
 
 
 def check_qkv(q, k, v, who: str) -> None:

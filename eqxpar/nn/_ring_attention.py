@@ -83,10 +83,10 @@ def ring_attention(
     - `causal`: whether position `p` sees only keys at positions `<= p` (the original
       positions, whatever the layout).
     - `layout`: `"zigzag"` (default) or `"contiguous"`, as the sequence was split.
-    - `segment_ids`: packed documents: this device's block of each sequence's document ids,
-      `(*batch, L)` in the same layout; a query sees only keys of its own document. The ids
-      travel around the ring with their key/value block (`L` integers a hop). `None`: one
-      document per sequence.
+    - `segment_ids`: packed documents: the document ids of every device's block of each
+      sequence, `(*batch, C L)`: device `j`'s block (in `layout`) at `[j L, (j + 1) L)`, as
+      [`eqxpar.nn.context_segment_ids`][] gathers them once per step; a query sees only keys
+      of its own document. No ids travel around the ring. `None`: one document per sequence.
 
     **Returns:**
 
@@ -100,7 +100,7 @@ def ring_attention(
     check_layout(layout, "ring_attention")
     check_qkv(q, k, v, "ring_attention")
     check_bound(axis_name, "ring_attention")
-    check_segment_ids(segment_ids, q, "ring_attention")
+    check_segment_ids(segment_ids, q, axis_name, "ring_attention")
     return _ring(q, k, v, segment_ids, axis_name, bool(causal), layout)
 
 
@@ -152,24 +152,25 @@ def _ring_forward_pass(q, k, v, segments, axis_name, causal, layout):
         jnp.zeros((*lead, local, heads, v.shape[-1]), jnp.float32),
     )
     perm = _ring_perm(size)
-    # Packed documents: the key block's segment ids travel with it (`k_seg`), and every fold
-    # also hides the keys of other documents.
-    k_seg = segments
+    # Packed documents: every fold also hides the keys of other documents. The ids of every
+    # block are here already (`segments`, gathered once per step by the model): none travel.
+    q_seg = _block(segments, index, local)
     for step in range(size):
         with jax.named_scope(f"ring_step_{step}"):
             source = (index - step) % size
             earlier = source < index
+            k_seg = _block(segments, source, local)
             if not _skip_masked(step, causal):
                 visible = both_visible(
                     causal_visible(q_pos, _positions_of(source, local, size, layout), causal),
-                    segment_visible(segments, k_seg),
+                    segment_visible(q_seg, k_seg),
                 )
                 state = _fold(state, q, k, v, scale, visible)
             elif layout == "contiguous":
                 # An earlier device's block is wholly visible, a later one's wholly hidden.
                 state = jax.lax.cond(
                     earlier,
-                    lambda st, k, v, ks: _fold(st, q, k, v, scale, segment_visible(segments, ks)),
+                    lambda st, k, v, ks: _fold(st, q, k, v, scale, segment_visible(q_seg, ks)),
                     lambda st, k, v, ks: st,
                     state,
                     k,
@@ -183,13 +184,11 @@ def _ring_forward_pass(q, k, v, segments, axis_name, causal, layout):
                 state = jax.lax.cond(
                     earlier,
                     lambda st, k, v, ks: _fold(
-                        st, q, k[..., :half, :, :], v[..., :half, :, :], scale, _segments(segments, ks, None, half)
+                        st, q, k[..., :half, :, :], v[..., :half, :, :], scale, _segments(q_seg, ks, None, half)
                     ),
                     lambda st, k, v, ks: _with_late_rows(
                         st,
-                        _fold(
-                            _late_rows(st, half), q[..., half:, :, :], k, v, scale, _segments(segments, ks, half, None)
-                        ),
+                        _fold(_late_rows(st, half), q[..., half:, :, :], k, v, scale, _segments(q_seg, ks, half, None)),
                         half,
                     ),
                     state,
@@ -198,11 +197,18 @@ def _ring_forward_pass(q, k, v, segments, axis_name, causal, layout):
                     k_seg,
                 )
             if step < size - 1:
-                k, v, k_seg = jax.lax.ppermute((k, v, k_seg), axis_name, perm)
+                k, v = jax.lax.ppermute((k, v), axis_name, perm)
     m, total, out = state
     out = out / jnp.swapaxes(total, -1, -2)[..., None]
     lse = m + jnp.log(total)
     return out.astype(q.dtype), lse
+
+
+def _block(segments, device, local: int):
+    """Device `device`'s block of the gathered segment ids (None without them)."""
+    if segments is None:
+        return None
+    return jax.lax.dynamic_slice_in_dim(segments, device * local, local, axis=segments.ndim - 1)
 
 
 def _segments(segments, k_seg, q_from, k_to):
@@ -269,22 +275,23 @@ def _ring_bwd(axis_name, causal, layout, residuals, d_out):
         return total + update if rows == slice(None) else total.at[..., rows, :, :].add(update)
 
     every, first, second = slice(None), slice(None, half), slice(half, None)
-    k_seg = segments
+    q_seg = _block(segments, index, local)
     for step in range(size):
         with jax.named_scope(f"ring_step_{step}_backward"):
             source = (index + step) % size
             earlier = source < index
+            k_seg = _block(segments, source, local)
             acc = (dq, dk, dv)
             if not _skip_masked(step, causal):
                 visible = both_visible(
                     causal_visible(q_pos, _positions_of(source, local, size, layout), causal),
-                    segment_visible(segments, k_seg),
+                    segment_visible(q_seg, k_seg),
                 )
                 acc = grads(acc, q, k, v, every, every, visible)
             elif layout == "contiguous":
                 acc = jax.lax.cond(
                     earlier,
-                    lambda a, k, v, ks: grads(a, q, k, v, every, every, segment_visible(segments, ks)),
+                    lambda a, k, v, ks: grads(a, q, k, v, every, every, segment_visible(q_seg, ks)),
                     lambda a, k, v, ks: a,
                     acc,
                     k,
@@ -301,10 +308,10 @@ def _ring_bwd(axis_name, causal, layout, residuals, d_out):
                         v[..., first, :, :],
                         every,
                         first,
-                        _segments(segments, ks, None, half),
+                        _segments(q_seg, ks, None, half),
                     ),
                     lambda a, k, v, ks: grads(
-                        a, q[..., second, :, :], k, v, second, every, _segments(segments, ks, half, None)
+                        a, q[..., second, :, :], k, v, second, every, _segments(q_seg, ks, half, None)
                     ),
                     acc,
                     k,
@@ -313,7 +320,7 @@ def _ring_bwd(axis_name, causal, layout, residuals, d_out):
                 )
             dq, dk, dv = acc
             if step < size - 1:
-                k, v, k_seg = jax.lax.ppermute((k, v, k_seg), axis_name, perm)
+                k, v = jax.lax.ppermute((k, v), axis_name, perm)
             # The block's gradient travels with it; the last hop takes it home.
             if size > 1:
                 dk, dv = jax.lax.ppermute((dk, dv), axis_name, perm)

@@ -162,13 +162,15 @@ def tensor_parallel_theory(
 
 
 def context_theory(
-    model: PlanModel, mesh: Mesh, batch: int, seq: int, *, batch_axis: AxisNames, remat: str
+    model: PlanModel, mesh: Mesh, batch: int, seq: int, *, batch_axis: AxisNames, remat: str, segment_ids: bool = False
 ) -> CommTheory:
     """The attention's traffic over the `context` axis: [`eqxpar.inspect.context_parallel_theory`][]
     with the GPT's heads and attention, or [`eqxpar.models.llama_context_parallel_theory`][]
     (the Llama's keys and values travel repeated to its query heads)."""
     if not isinstance(model, GPT):
-        return llama_context_parallel_theory(model, mesh, batch, seq, batch_axis=batch_axis, remat=remat)
+        return llama_context_parallel_theory(
+            model, mesh, batch, seq, batch_axis=batch_axis, remat=remat, segment_ids=segment_ids
+        )
     shape = attention_shape(model)
     return context_parallel_theory(
         mesh,
@@ -183,6 +185,7 @@ def context_theory(
         model_axis="model",
         dtype=param_dtype(model),
         remat=remat != "none",
+        segment_ids=segment_ids,
     )
 
 

@@ -180,6 +180,7 @@ def plan(
     include_infeasible: bool = False,
     pipeline: bool | None = None,
     moe: MoEOptions | None = None,
+    document_mask: bool = False,
 ) -> list[Plan]:
     """The fastest layouts of a GPT or Llama train step that fit the cluster, best first.
 
@@ -226,6 +227,8 @@ def plan(
       mixture of experts in every block: the layouts of `data x fsdp x expert x model`
       (no context axis, sequence parallelism or pipeline: see docs/concepts/planner.md),
       the experts and the batch split over `expert`.
+    - `document_mask`: the batches are packed documents with their segment ids: price the
+      ids' all-gather over the context axis (once per step).
 
     **Returns:**
 
@@ -274,7 +277,19 @@ def plan(
         if pipeline is not None and (base.stage > 1) != pipeline:
             continue
         for layout in pipeline_variants(base, batch, config_layers(config)) if base.stage > 1 else (base,):
-            priced = price(layout, config, batch, seq, cluster, opt, dtype, vocab_size, pad_vocab_to_multiple_of, moe)
+            priced = price(
+                layout,
+                config,
+                batch,
+                seq,
+                cluster,
+                opt,
+                dtype,
+                vocab_size,
+                pad_vocab_to_multiple_of,
+                moe,
+                document_mask,
+            )
             if priced is not None:
                 plans.append(priced)
     if not plans:
@@ -319,6 +334,7 @@ def price(
     vocab_size: int,
     pad: int,
     moe: MoEOptions | None = None,
+    document_mask: bool = False,
 ) -> Plan | None:
     """The [`eqxpar.plan.Plan`][] for one layout, or None when a divisibility rule rules it out."""
 
@@ -344,7 +360,7 @@ def price(
         flops = _pipeline.pipeline_flops(gpt, layout, batch, seq)
     else:
         specs = layout_specs(gpt, mesh, layout)
-        comm = comm_theory(gpt, mesh, layout, specs, batch, seq)
+        comm = comm_theory(gpt, mesh, layout, specs, batch, seq, document_mask=document_mask)
         without_remat = None if layout.remat == "none" else gpt_with("none")  # the recomputed block's working set
         mem = memory(gpt, mesh, layout, specs, optimizer, batch, seq, dtype, cluster.fused_attention, without_remat)
         flops = flops_per_device(gpt, layout, batch, seq)

@@ -41,7 +41,9 @@ RING_HOPS = {
 }
 
 
-def comm_theory(gpt: PlanModel, mesh: Mesh, layout: Layout, specs: Any, batch: int, seq: int) -> CommTheory:
+def comm_theory(
+    gpt: PlanModel, mesh: Mesh, layout: Layout, specs: Any, batch: int, seq: int, *, document_mask: bool = False
+) -> CommTheory:
     """The collectives of the layout's step, by the library's theories:
 
     - without `fsdp`: `data_parallel_theory` over `data` (and `context`, a batch axis for
@@ -83,7 +85,9 @@ def comm_theory(gpt: PlanModel, mesh: Mesh, layout: Layout, specs: Any, batch: i
         gpt, mesh, batch, seq, batch_axis=batch_axes, context_axis=context_axis, remat=layout.remat
     )
     if context_axis:
-        theory += context_theory(gpt, mesh, batch, seq, batch_axis=batch_axes, remat=layout.remat)
+        theory += context_theory(
+            gpt, mesh, batch, seq, batch_axis=batch_axes, remat=layout.remat, segment_ids=document_mask
+        )
     if layout.expert is not None:
         assert isinstance(gpt, GPT)  # plan() refuses moe= for a Llama
         theory = expert_comm(theory, gpt, mesh, layout, specs, batch, seq)

@@ -181,6 +181,7 @@ def auto_layout(
             top=None,
             include_infeasible=True,
             pipeline=True if pipeline else None,
+            document_mask=bool(getattr(flags, "document_mask", False)),  # TextFlags: packed rows' ids
         )
     except ValueError as error:  # no layout divides the batch (or a bad shape)
         raise ValueError(f"--layout auto with --batch-size {flags.batch_size}: {error}") from None
