@@ -23,7 +23,7 @@ def test_text_store_benchmark_quick(tmp_path):
     results = json.loads(out.read_text())
     assert set(results) == {"config", "tokenizer_train_s", "throughput", "memory", "access"}
     throughput = results["throughput"]
-    assert set(throughput["tokenizers"]) == {"encode_batch", "encode_batch_fast", "encode_batch_fast_2mb_chunks"}
+    assert set(throughput["tokenizers"]) == {"encode_batch", "encode_batch_fast", "encode_batch_fast_1mb_chunks"}
     assert throughput["ratio_to_fastest"] > 0 and throughput["build"]["tokens_per_s"] > 0
     # the build and every baseline tokenized the same corpus: the same number of tokens
     assert {b["tokens"] for b in throughput["tokenizers"].values()} == {throughput["build"]["tokens"]}
