@@ -2,7 +2,7 @@
 
 Real processes (2 ranks, gloo on 127.0.0.1, no mocks) run tests/_failing_rank.py: after a
 collective every rank completes, one rank fails while the other enters a collective that can
-never complete. Without eqxpar's fail-fast handling (eqxpar/_failfast.py) the failed rank
+never complete. Without eqxpar's fail-fast handling (eqxpar/distributed/_failfast.py) the failed rank
 waits at JAX's shutdown barrier and the other in the collective, for ever. Each start has a
 hard subprocess timeout, so a regression fails the test instead of hanging it.
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from eqxpar import launch
-from eqxpar._launch_output import is_gloo_chatter
+from eqxpar.distributed._output import is_gloo_chatter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -150,7 +150,7 @@ def test_a_one_machine_launch_listens_on_loopback_only(tmp_path):
 
 
 def test_where_the_coordinator_listens(monkeypatch):
-    from eqxpar._runtime import bind_address
+    from eqxpar.distributed._runtime import bind_address
 
     monkeypatch.delenv("JAX_COORDINATOR_BIND_ADDRESS", raising=False)
     assert bind_address("127.0.0.1:1234") == "127.0.0.1:1234"  # eqxpar.launch: loopback only

@@ -21,8 +21,8 @@ PACKAGE = ROOT / "eqxpar"
 
 # Bottom to top. A module belongs to the first part whose name equals it or is a prefix of
 # it followed by a dot (`eqxpar.nn` holds `eqxpar.nn._linear`); a private top-level module
-# split off a top-level part belongs to it too: `eqxpar._failfast` holds
-# `eqxpar._failfast_finish`, `eqxpar.launch` holds `eqxpar._launch_output` (see `part_of`).
+# split off a top-level part belongs to it too: `eqxpar.testing` holds
+# `eqxpar._testing_trees` (see `part_of`).
 # The package itself (`eqxpar/__init__.py`, which re-exports from every layer) is the top.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
@@ -49,11 +49,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "eqxpar.data",
             "eqxpar.checkpoint",
-            "eqxpar._runtime",
-            "eqxpar._failfast",
-            "eqxpar._watchdog",
-            "eqxpar.distributed",
-            "eqxpar.launch",
+            "eqxpar.distributed",  # the multi-process runtime: start-up, fail-fast, watchdog, launcher
+            "eqxpar.launch",  # `python -m eqxpar.launch`: the launcher's public entry
             "eqxpar.datasets",
             "eqxpar.plan",  # the layout planner: prices GPT steps (models, train) by their theories
         ),
@@ -244,7 +241,7 @@ def _positions(edges: set[tuple[str, str]], width: float, band: float) -> dict[s
 
 def _label(part: str, package: pathlib.Path = PACKAGE) -> str:
     """`eqxpar.nn` -> `nn/`, `eqxpar._mesh` -> `_mesh.py`, `eqxpar` -> `__init__.py`; a file
-    with private modules split off it (`part_of`) says how many: `_failfast.py +3`."""
+    with private modules split off it (`part_of`) says how many: `testing.py +2`."""
     if part == "eqxpar":
         return "__init__.py"
     path = package.parent / pathlib.Path(*part.split("."))

@@ -28,8 +28,8 @@ from typing import Any
 import jax
 
 from .._compat import distributed_client
-from .._failfast import EXIT_PREEMPTED
-from .._watchdog import Watchdog
+from ..distributed import Watchdog
+from ..distributed._failfast import EXIT_PREEMPTED
 
 __all__ = [
     "Preempted",
@@ -114,7 +114,7 @@ def stop_after_save(step: int, path: str, resume_hint: str, say: Any) -> Preempt
 
 class StepWatch:
     """What `Checkpointer.maybe_save` does first at every step: report the step to the
-    progress watchdog (`watchdog_s`, see `eqxpar/_watchdog.py`) and ask whether a
+    progress watchdog (`watchdog_s`, see `eqxpar/distributed/_watchdog.py`) and ask whether a
     preemption notice says to save it and stop (`preemption`)."""
 
     def __init__(self, preemption: bool, watchdog_s: float | None):

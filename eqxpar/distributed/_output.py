@@ -1,4 +1,4 @@
-"""The launcher's copies of its ranks' output (`eqxpar/launch.py`): each line prefixed with
+"""The launcher's copies of its ranks' output (`_launch.py`): each line prefixed with
 its rank, Gloo's connection chatter dropped, each rank's last lines (and the line naming its
 failure) kept to repeat at the end; and how a rank's exit is described."""
 

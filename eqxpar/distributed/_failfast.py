@@ -39,8 +39,9 @@ run, four things (see `install_fail_fast`):
    launcher reports that status. (`sys.exit` is wrapped to see the status; a bare
    `raise SystemExit(N)` is not seen, and waits as in 4.)
 
-The progress watchdog (`eqxpar/_watchdog.py`) records a stalled process through `end_job`;
-the watchdog thread of 2. then prints each other process's stacks before ending it.
+The progress watchdog (`_watchdog.py` in this package) records a stalled process through
+`end_job`; the watchdog thread of 2. then prints each other process's stacks (`_stacks.py`)
+before ending it.
 
 A process that dies without running Python (SIGKILL, the out-of-memory killer, a lost host)
 records nothing; the others then learn of it from their next collective, which fails when
@@ -60,12 +61,13 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from ._compat import distributed_client
-from ._failfast_calls import bounded, flush, start_spare
-from ._failfast_finish import wait_for_all_finished
-from ._failfast_interrupt import start_interrupt_watch
+from .._compat import distributed_client
+from ._calls import bounded, flush, start_spare
+from ._finish import wait_for_all_finished
+from ._interrupt import start_interrupt_watch
+from ._stacks import STALL_MARK, dump_stacks
 
-__all__ = ["install_fail_fast", "EXIT_PEER_FAILED", "EXIT_PREEMPTED", "FAILURE_KEY"]
+__all__ = ["install_fail_fast", "end_job", "EXIT_PEER_FAILED", "EXIT_PREEMPTED", "FAILURE_KEY"]
 
 EXIT_PEER_FAILED = 75
 """Exit status of a process that ended because *another* process failed (not itself the cause)."""
@@ -230,9 +232,6 @@ class _FailFast:
 
     def _peer_failed(self, message: str) -> None:
         with self.lock:
-            # Here, not at the top: _watchdog imports this module (it records stalls through it).
-            from ._watchdog import STALL_MARK, dump_stacks
-
             if STALL_MARK in message:  # a stalled job: where this process waits matters too
                 dump_stacks(self.tag)
             bounded(lambda: self.client.key_value_set(f"{_SEEN_DIR}{self.pid}", "1"), 2.0)
@@ -272,7 +271,7 @@ class _FailFast:
     # --- Ctrl-C while the main thread is blocked -------------------------------------------------
 
     def _interrupted(self) -> None:
-        """A second Ctrl-C while the main thread is blocked (`eqxpar/_failfast_interrupt.py`)."""
+        """A second Ctrl-C while the main thread is blocked (`_interrupt.py`)."""
         with self.lock:
             reason = f"process {self.pid} was interrupted (SIGINT twice)"
             self._say(f"{self.tag}: interrupted (SIGINT twice); ending the whole job.")
@@ -379,3 +378,13 @@ def install_fail_fast(
         if wakeup is not None:
             state.wakeup = wakeup  # kept alive with the state
     _installed.append(state)
+
+
+def end_job(reason: str, message: str, status: int, *, wait_all: bool = False) -> None:
+    """End the whole job from this process: record `reason` as the job's failure, say
+    `message` and exit with `status` (with `EXIT_PEER_FAILED` if another process recorded
+    a failure first); `wait_all`: wait until every other process has read it, not only
+    process 0. Does not return when fail-fast is installed; returns at once when it is not
+    (a single process, or `fail_fast=False`)."""
+    if _installed:
+        _installed[0].end_job(reason, message, status, wait_all)

@@ -1,6 +1,6 @@
 """A progress watchdog: when no training step finishes in time, print every stack and end the job.
 
-Fail-fast (`eqxpar/_failfast.py`) ends a job when a process *fails*. A process can also stop
+Fail-fast (`_failfast.py`) ends a job when a process *fails*. A process can also stop
 taking part without failing: a deadlock in a data loader, a rank that skipped a collective
 and waits in another one, a network that drops packets without closing connections. Every
 process then waits, silently, for ever. [`eqxpar.distributed.Watchdog`][] turns that into
@@ -21,65 +21,18 @@ counts its `maybe_save` calls as finished steps.
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import sys
 import threading
 import time
-import traceback
 
 import jax
 
-from ._failfast import _installed
-from ._failfast_calls import flush
+from ._calls import flush
+from ._failfast import end_job
+from ._stacks import STALL_MARK, dump_stacks
 
-__all__ = ["Watchdog", "STALL_MARK", "dump_stacks"]
-
-STALL_MARK = "made no progress"
-"""Part of the failure a stalled process records: other processes dump their stacks on it."""
-
-
-_dumped = threading.Event()
-# Held while a dump is written. Two threads may dump at once: this process's watchdog fires
-# while the fail-fast watcher learns that another process stalled too. The second waits for
-# the first dump to be complete before it returns (and its caller ends the process), or the
-# first dump would be cut off by that exit (seen under load: a rank's own stall line, then
-# nothing but its exit).
-_dumping = threading.Lock()
-
-
-def dump_stacks(tag: str) -> None:
-    """Print where the main thread waits, then every thread's Python stack, to stderr (once;
-    a second call returns when the first call's dump is written, or after 10 s)."""
-    acquired = _dumping.acquire(timeout=10.0)
-    try:
-        if _dumped.is_set():
-            return
-        _dumped.set()
-        _write_stacks(tag)
-    finally:
-        if acquired:
-            _dumping.release()
-
-
-def _write_stacks(tag: str) -> None:
-    flush()
-    frames = sys._current_frames()
-    main_id = threading.main_thread().ident
-    main = None if main_id is None else frames.get(main_id)
-    if main is not None:
-        innermost = traceback.extract_stack(main)[-1]
-        line = f": {innermost.line.strip()}" if innermost.line else ""
-        where = f"{innermost.name} ({innermost.filename}:{innermost.lineno}){line}"
-        sys.stderr.write(f"{tag}: its main thread waits in {where}\n")
-    sys.stderr.write(f"{tag}: the Python stack of every thread (most recent call first):\n")
-    flush()
-    try:
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-    except (ValueError, OSError, AttributeError):  # no usable file descriptor: format it ourselves
-        for ident, frame in frames.items():
-            sys.stderr.write(f"Thread {ident:#x}:\n" + "".join(traceback.format_stack(frame)))
-    flush()
+__all__ = ["Watchdog"]
 
 
 class Watchdog:
@@ -99,7 +52,7 @@ class Watchdog:
     that ends with an exception, or without `close`, does not fire it later. Steps that
     synchronise the processes (any step with a collective) make every process stall
     together when one does, so every process's watchdog sees it; the first to fire records
-    it and the others follow (see `eqxpar/_watchdog.py`).
+    it and the others follow (see `eqxpar/distributed/_watchdog.py`).
 
     **Arguments:**
 
@@ -175,14 +128,12 @@ class Watchdog:
             f"process it waits for in a collective, is stuck; the stacks follow, then the job ends.\n"
         )
         dump_stacks(tag)
-        state = _installed[0] if _installed else None
-        if state is not None:
-            state.end_job(
-                reason,
-                f"{tag} failed: {reason}. Ending the whole job: the other processes print their stacks and stop too.",
-                1,
-                wait_all=True,
-            )  # does not return
+        end_job(  # returns only when fail-fast is not installed (a single process)
+            reason,
+            f"{tag} failed: {reason}. Ending the whole job: the other processes print their stacks and stop too.",
+            1,
+            wait_all=True,
+        )
         sys.stderr.write(
             f"{tag}: watchdog: ending the process with status 1. If steps are "
             f"legitimately this slow, raise the timeout (--watchdog-s).\n"

@@ -1,31 +1,6 @@
-"""Multi-process start-up: one call that joins JAX's distributed runtime, or does nothing.
-
-Every process of a multi-host (multi-process) job runs the same script; each calls
-[`eqxpar.distributed.initialize`][] once, before anything else touches JAX. After it returns,
-`jax.devices()` lists the devices of *all* processes, `jax.process_index()` says which
-process this is, and a `jax.jit`/`shard_map` computation over a mesh of those devices runs as
-one SPMD program whose collectives (`psum`, `pmean`, ...) cross process boundaries.
-
-Where the settings come from, first match wins:
-
-1. the arguments `coordinator_address`, `num_processes`, `process_id`;
-2. the environment variables set by `python -m eqxpar.launch` (or by any launcher you write):
-   `EQXPAR_COORDINATOR_ADDRESS`, `EQXPAR_NUM_PROCESSES`, `EQXPAR_PROCESS_ID`, and
-   `EQXPAR_DEVICES_PER_PROCESS` (simulated CPU devices per process);
-3. a cluster environment JAX recognises: SLURM (`srun`) and Open MPI (`mpirun`) are detected
-   from their environment variables; other clusters (`"mpi4py"`, `"gketpu"`, `"gcetpu"`, ...)
-   by passing `cluster_detection_method`. JAX then works out the coordinator itself.
-
-With none of these, the run is a plain single process and `initialize` only sets the CPU
-device count: recipes can call it unconditionally.
-
-A multi-process run also *fails fast*: an uncaught exception in any process prints its
-traceback tagged with the process, records the failure in JAX's coordination service and
-hard-exits, skipping JAX's shutdown barrier (where a failed process would otherwise wait for
-ever for peers that wait for it in a collective); a watchdog thread in every other process
-sees the record and ends that process too, naming the failed one. See `eqxpar/_failfast.py`
-and the troubleshooting page ("Hangs: how eqxpar prevents them").
-"""
+"""`initialize`: join JAX's distributed runtime (or do nothing for one process), and
+print or log from process 0 only. The package's docstring (`eqxpar/distributed/__init__.py`)
+says where the settings come from."""
 
 from __future__ import annotations
 
@@ -37,11 +12,10 @@ from typing import Any
 
 import jax
 
-from ._compat import backends_started, distributed_client
-from ._failfast import EXIT_PEER_FAILED, install_fail_fast
-from ._mesh import simulate_cpu_devices
+from .._compat import backends_started, distributed_client
+from .._mesh import simulate_cpu_devices
+from ._failfast import install_fail_fast
 from ._runtime import bind_address, check_port_free, connect, split_address, wait_for_coordinator
-from ._watchdog import Watchdog
 
 __all__ = [
     "initialize",
@@ -52,8 +26,6 @@ __all__ = [
     "ENV_NUM_PROCESSES",
     "ENV_PROCESS_ID",
     "ENV_DEVICES_PER_PROCESS",
-    "EXIT_PEER_FAILED",
-    "Watchdog",
 ]
 
 # The launcher's interface: `eqxpar.launch` sets these for every process it starts.
@@ -175,10 +147,10 @@ def initialize(
       default is 300 s; give more if one process legitimately works alone (no collectives)
       for longer at the end of a run.
     - `fail_fast`: in a multi-process run, install the failure handling of
-      `eqxpar/_failfast.py`: an uncaught exception (any thread) in any process prints its
-      traceback tagged `eqxpar: process i of n`, records the failure in the coordination
-      service and ends the process at once with `os._exit` (status 1); a watchdog thread in
-      every other process then ends that process with status
+      `eqxpar/distributed/_failfast.py`: an uncaught exception (any thread) in any process
+      prints its traceback tagged `eqxpar: process i of n`, records the failure in the
+      coordination service and ends the process at once with `os._exit` (status 1); a
+      watchdog thread in every other process then ends that process with status
       `eqxpar.distributed.EXIT_PEER_FAILED` (75), printing which process failed and why.
       The job ends in seconds instead of hanging. `False` keeps Python's and JAX's behaviour.
     - `coordinator_bind_address`: `host:port` where process 0's coordination service

@@ -1,4 +1,4 @@
-"""The launcher's ranks as processes (`eqxpar/launch.py`): killed by the kernel when the
+"""The launcher's ranks as processes (`_launch.py`): killed by the kernel when the
 launcher dies, and stopped (SIGTERM, then SIGKILL) when the job ends."""
 
 from __future__ import annotations

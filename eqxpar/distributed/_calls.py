@@ -1,4 +1,4 @@
-"""The two ways a failing process stays quick (see `eqxpar/_failfast.py`): calls to the
+"""The two ways a failing process stays quick (see `_failfast.py`): calls to the
 coordination service bounded in time, and output flushed before an `os._exit`."""
 
 from __future__ import annotations

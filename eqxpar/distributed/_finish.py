@@ -1,4 +1,4 @@
-"""A watched finish (point 4 of `eqxpar/_failfast.py`): a process that reached the end of its
+"""A watched finish (point 4 of `_failfast.py`): a process that reached the end of its
 script marks itself finished in the coordination service and waits, the fail-fast watchdog
 still running, until every process has; one that never does is named."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ._failfast_calls import bounded
+from ._calls import bounded
 
 __all__ = ["FINISHED_DIR", "wait_for_all_finished"]
 

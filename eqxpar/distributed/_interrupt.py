@@ -1,4 +1,4 @@
-"""Ctrl-C that works while the main thread is blocked (point 3 of `eqxpar/_failfast.py`).
+"""Ctrl-C that works while the main thread is blocked (point 3 of `_failfast.py`).
 
 A SIGINT becomes a `KeyboardInterrupt` only when the main thread runs Python, never while it
 is blocked in a collective. Python's C-level handler still writes the signal number to its
