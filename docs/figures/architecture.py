@@ -4,8 +4,9 @@
 functions included, since a lazy import is still a dependency) and returns which eqxpar
 modules each one imports. `LAYERS` assigns every module to a layer, bottom to top;
 `violations()` lists the imports that go from a lower layer up to a higher one (there must
-be none: `tests/test_architecture.py` checks it), and `draw(path)` draws the layers with
-the imports between their parts, aggregated per package, into a PNG.
+be none: `tests/test_architecture.py` checks it), `import_cycles()` the import circles (the
+test allows only the known ones), and `draw(path)` draws the layers with the imports
+between their parts, aggregated per package, into a PNG.
 
 Run as a script to write `docs/images/architecture.png`.
 """
@@ -90,9 +91,61 @@ def import_graph(package: pathlib.Path = PACKAGE) -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 targets.update(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom):
-                targets.update(_resolve(name, path.name == "__init__.py", node))
+                base, *named = _resolve(name, path.name == "__init__.py", node)
+                # `from . import _folder` only loads the submodule: the package it is taken
+                # from holds the importer, so it is being imported already and is no
+                # dependency (counting it would make every such import a circle).
+                if name.startswith(base + ".") and all(n in files for n in named):
+                    targets.update(named)
+                else:
+                    targets.update([base, *named])
         graph[name] = {t for t in targets if t in files and t != name}
     return graph
+
+
+def import_cycles(graph: Mapping[str, set[str]]) -> list[tuple[str, ...]]:
+    """The import circles of `graph`: its strongly connected components of more than one
+    module (each sorted, the list sorted). Every import `import_graph` reads counts, those
+    inside functions and under `if TYPE_CHECKING:` too: a circle closed only by a lazy
+    import still ties the two modules together."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    for root in sorted(graph):  # Tarjan's algorithm, iterative: no recursion limit
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, targets = work[-1]
+            nxt = next((t for t in targets if t in graph), None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(tuple(sorted(component)))
+    return sorted(cycles)
 
 
 def part_of(module: str) -> str:
