@@ -229,8 +229,12 @@ def parallelize(
       [`eqxpar.nn.partition_specs`][]`(model, mesh)` checks it, also before any compile).
     - `return_plan`: also return the [`eqxpar.nn.Plan`][] applied (`print(plan)` shows a
       table of every layer, its style and its collectives).
-    - `strict`: raise, instead of warning, when the plan splits no layer or leaves most of
-      the parameters whole (the message lists the largest whole layers and why).
+    - `strict`: raise, instead of warning, when the plan splits no layer or leaves more
+      than half of the parameter bytes whole. Either way the message names the classes
+      it could not plan (a model's own attention class holding Linears, a `Conv2d`), the
+      largest whole layers and why, and the ways out: teach it a class with
+      [`eqxpar.nn.register_style`][], name the layers in an explicit plan, or use data
+      parallelism.
 
     **Returns:**
 
@@ -242,7 +246,9 @@ def parallelize(
       a style that does not fit the layer, overlapping entries, a `"row"` layer without a
       `"column"` one before it (or a `"column"` layer whose split output would reach a layer
       that wants it whole), a stack of stacks or a stacked layer whose arrays do not share
-      one leading size, and with `mesh` a size the model axis does not divide.
+      one leading size, and with `mesh` a size the model axis does not divide; with
+      `strict=True`, a plan that splits no layer or leaves more than half of the parameter
+      bytes whole (the text of the `UserWarning` it gives otherwise).
     """  # noqa: E501 - a markdown table row cannot wrap
     if mesh is not None:
         if not isinstance(mesh, Mesh):
@@ -276,7 +282,14 @@ def parallelize(
         if has_arrays(node) or style != "replicate":
             seq.append((p, node, style))
     check_pairs([s for s in seq if has_arrays(s[1])], axis_name)
-    check_coverage(seq, notes, explicit=isinstance(plan, Mapping), strict=strict)
+    check_coverage(
+        seq,
+        notes,
+        dict(nodes),
+        lambda node: _auto_style(node)[0] not in ("replicate", "kept"),
+        explicit=isinstance(plan, Mapping),
+        strict=strict,
+    )
 
     rows, new = [], {}
     last = seq[-1][0] if seq else None
