@@ -1,5 +1,8 @@
 """Fully sharded data parallel (FSDP, ZeRO-3 style) training of the GPT of hybrid_gpt.py.
 
+It trains on your text (`--data`, `--tokenizer`; by default a corpus of Python's own source
+code) through the same tokenizer, token store and packed rows as hybrid_gpt.py.
+
 What it shows: the parameters and the optimizer state are split over an `fsdp` mesh axis,
 so each device stores 1/N of them between steps, while the batch is split over the same
 axis as in data parallelism. Each transformer block gathers its weights with
@@ -15,6 +18,7 @@ Run it (8 simulated CPU devices when there is no accelerator):
     python recipes/fsdp.py --mesh fsdp=2,model=4    # FSDP x tensor parallelism
     python recipes/fsdp.py --remat                  # gather again in the backward pass
     python recipes/fsdp.py --devices 1              # a one-device machine (--mesh auto)
+    python recipes/fsdp.py --data corpus/*.jsonl --tokenizer tokenizer.json
     python recipes/fsdp.py --checkpoint-dir /tmp/fsdp --checkpoint-every 100 --resume
 
 The same seed gives the same losses as hybrid_gpt.py on any mesh (up to float rounding).
@@ -30,24 +34,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import PartitionSpec as P
 
 import eqxpar
 import eqxpar.nn
 import eqxpar.recipe
-from eqxpar.datasets import python_source_text, text_windows
 from eqxpar.inspect import CommReport
 from eqxpar.models import GPT, next_token_loss
 from eqxpar.train import fsdp_specs, fsdp_step
 
 
 @dataclasses.dataclass
-class Config(eqxpar.recipe.CheckpointFlags, eqxpar.recipe.LogFlags):  # + checkpoint flags, --log-dir, --log-every
+class Config(
+    eqxpar.recipe.CheckpointFlags, eqxpar.recipe.LogFlags, eqxpar.recipe.TextFlags
+):  # + checkpoint flags, --log-dir, --log-every, --data, --tokenizer, --seq-len
     devices: int = 8  # simulated CPU devices when there is no accelerator
     mesh: str = "auto"  # state and batch over `fsdp`, layers optionally over `model` (fsdp=2,model=4); auto: fit
     steps: int = 400  # training steps
     batch_size: int = 32  # the global batch: sequences per step
-    context: int = 64  # characters the model sees
+    context: int = 64  # tokens the model sees (its position table); --seq-len: tokens per training row
     dim: int = 64  # the model's width
     heads: int = 8  # attention heads (the model axis size must divide them)
     layers: int = 2  # transformer blocks
@@ -69,6 +73,7 @@ def check_flags(cfg: Config) -> Config:
             raise ValueError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(cfg, name)!r}.")
     if cfg.dim % cfg.heads:
         raise ValueError(f"--dim {cfg.dim} is not divisible by --heads {cfg.heads}: every head needs the same width.")
+    cfg = eqxpar.recipe.check_text_flags(cfg, context=cfg.context)  # --data, --tokenizer, --seq-len
     eqxpar.simulate_cpu_devices(cfg.devices)  # before JAX touches a backend
     sizes = eqxpar.recipe.mesh_from_flag(
         cfg.mesh,
@@ -92,10 +97,11 @@ def main(argv=None) -> dict:
     sizes.setdefault("model", 1)
     mesh = eqxpar.make_mesh(**sizes)
 
-    # --- Data: as in hybrid_gpt.py, each batch a pure function of (seed, step); the last 10% held out. ---
-    text = python_source_text()
-    split = int(0.9 * len(text.ids))
-    train_ids, val_ids = text.ids[:split], text.ids[split:]
+    # --- Data: as in hybrid_gpt.py, the corpus tokenized once into a token store, cut into
+    # packed rows of --seq-len + 1 tokens (each token's document and position with it); the
+    # last --held-out share of documents held out. Each batch a pure function of (seed, step). ---
+    with eqxpar.recipe.flag_errors():  # unreadable files or tokenizer, a stale store: one line, exit 2
+        text = eqxpar.recipe.load_text(cfg)
 
     # --- Model and where it lives: every weight split over `fsdp` (on top of `model`). ---
     model_key, train_key, _ = jax.random.split(jax.random.key(cfg.seed), 3)  # as hybrid_gpt.py
@@ -118,7 +124,8 @@ def main(argv=None) -> dict:
     # --- The FSDP step. `loss_fn` sees the whole model: the step gathers each block's
     # weights (all_gather over `fsdp`) when the block runs, and the backward pass
     # reduce-scatters the gradients (see eqxpar/train/_gradients.py); AdamW then runs on
-    # the global gradient, each device updating its own slices.
+    # the global gradient, each device updating its own slices. A packed batch keeps
+    # attention inside each document; with --no-document-mask it is the tokens alone.
     def loss_fn(model, tokens, key):
         return next_token_loss(model, tokens, key=key)
 
@@ -140,9 +147,8 @@ def main(argv=None) -> dict:
             f"\nparameters + optimizer state: {stored.bytes_per_device:,} of {stored.bytes_total:,} bytes per device\n"
         )
 
-    def batch(i: int):
-        tokens = text_windows(train_ids, cfg.batch_size, cfg.context, seed=cfg.seed, step=i)
-        return eqxpar.shard(tokens, mesh, P("fsdp"))
+    def batch(i: int):  # the rows split over `fsdp`, replicated over `model`
+        return text.batch(i, mesh, global_batch_size=cfg.batch_size, seed=cfg.seed, batch_axis="fsdp")
 
     lowered = step.lower(model, opt_state, batch(0), train_key)
     comm = CommReport.of(lowered)
@@ -156,16 +162,22 @@ def main(argv=None) -> dict:
     (model, opt_state, train_key), first_step, history = ckpt.restore((model, opt_state, train_key))
 
     # The held-out loss, every --eval-every steps and at the end: the model gathered from
-    # its `fsdp` slices into the tensor-parallel layout, on the same windows as hybrid_gpt.py.
+    # its `fsdp` slices into the tensor-parallel layout, on the same held-out rows as hybrid_gpt.py.
     evaluate = eqxpar.recipe.held_out_loss(lambda model, tokens: next_token_loss(model, tokens), mesh, layer_specs)
-    val_tokens = text_windows(val_ids, 64, cfg.context, seed=1234, step=0)
+    val_batch, val_counts = text.val_batch(mesh)
+
+    def val_metrics(model):  # val_loss, val_perplexity, val_bits_per_byte
+        return text.val_metrics(float(evaluate(model, val_batch)), val_counts)
+
+    def val_loss_of(model):
+        return val_metrics(model)["val_loss"]
 
     # --- Training loop. --log-dir: metrics every --log-every steps, TensorBoard, config.json.
     # The loop waits for the device only every --log-every steps (run_log fetches those steps'
     # losses in one go), at evaluations, checkpoints and the end. ---
     run_log = eqxpar.recipe.RunLog.from_config(
         cfg,
-        items_per_step=cfg.batch_size * cfg.context,
+        items_per_step=cfg.batch_size * cfg.seq_len,
         flops_per_item=flops_per_token,
         n_devices=mesh.size,
         losses=history["losses"] if history else [],
@@ -174,12 +186,13 @@ def main(argv=None) -> dict:
     for i in run_log.progress(steps, desc=f"fsdp {cfg.mesh}{' remat' if cfg.remat else ''}"):
         model, opt_state, metrics = step(model, opt_state, batch(i), jax.random.fold_in(train_key, i))
         run_log.step(i, metrics)
-        run_log.maybe_eval(i, val_loss=functools.partial(evaluate, model, val_tokens))
+        run_log.maybe_eval(i, val_loss=functools.partial(val_loss_of, model))
         ckpt.maybe_save(i + 1, (model, opt_state, train_key), data_state=run_log.data_state, force=i + 1 == cfg.steps)
     ckpt.close()
     run_log.close()
     losses, tokens_per_second = run_log.losses, run_log.per_second  # every step's loss; tokens/s
-    val_loss = float(evaluate(model, val_tokens))
+    val = val_metrics(model)
+    val_loss = val["val_loss"]
 
     metrics = {
         "mesh": cfg.mesh,
@@ -188,8 +201,12 @@ def main(argv=None) -> dict:
         "first_loss": losses[0],
         "final_loss": losses[-1],
         "final_loss_mean10": float(np.mean(losses[-10:])),
-        "val_loss": val_loss,
+        **val,  # val_loss (nats per held-out token), val_perplexity, val_bits_per_byte
         "val_losses": run_log.evals,  # every --eval-every steps: {"step", "val_loss"}
+        "tokens_seen": cfg.steps * cfg.batch_size * cfg.seq_len,  # row positions trained on, resumed steps included
+        "vocab_size": text.vocab_size,
+        "seq_len": cfg.seq_len,
+        "document_mask": cfg.document_mask,
         # tokens_per_second, flops_per_token, flops_per_second, and the model FLOPs
         # utilisation against the chips' peak (mfu; null where the peak is unknown: CPU, and
         # all three null where no step was timed: --steps 1, or a finished run resumed).
@@ -209,7 +226,8 @@ def main(argv=None) -> dict:
     if eqxpar.recipe.is_main_process():
         print(
             f"{cfg.mesh}{' remat' if cfg.remat else ''}: loss {metrics['first_loss']:.3f} -> "
-            f"{metrics['final_loss_mean10']:.3f} (last 10 steps), held-out {val_loss:.3f}; "
+            f"{metrics['final_loss_mean10']:.3f} (last 10 steps), held-out {val_loss:.3f} "
+            f"({val['val_bits_per_byte']:.3f} bits/byte); "
             f"{eqxpar.recipe.speed_text(metrics)}; "
             f"parameters + optimizer state {stored.bytes_per_device:,} of {stored.bytes_total:,} bytes "
             f"per device ({stored.bytes_total / stored.bytes_per_device:.1f}x less than one device)"

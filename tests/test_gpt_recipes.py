@@ -23,6 +23,9 @@ def test_hybrid_gpt_reports_the_same_final_loss_on_every_mesh(hybrid_runs):
         np.testing.assert_allclose(metrics["final_loss"], one_device["final_loss"], rtol=1e-5, err_msg=mesh)
         np.testing.assert_allclose(metrics["val_loss"], one_device["val_loss"], rtol=1e-5, err_msg=mesh)
     assert one_device["final_loss"] < one_device["first_loss"]
+    # The packed rows of the text pipeline: the bundled corpus through its cached BPE.
+    assert one_device["vocab_size"] == 512 and one_device["seq_len"] == 16 and one_device["document_mask"] is True
+    assert one_device["tokens_seen"] == 4 * 8 * 16 and one_device["val_perplexity"] > 1
     assert hybrid_runs["data=2,model=4"]["param_bytes_per_device"] < one_device["param_bytes_per_device"]
 
 
@@ -31,6 +34,8 @@ def test_fsdp_recipe_matches_the_hybrid_recipe(hybrid_runs, tmp_path, mesh, rema
     flags = [f for f in SMALL if f not in ("--sample-chars", "0")]
     metrics = run_recipe("fsdp", tmp_path, "--mesh", mesh, *flags, *(["--remat"] if remat else []))
     np.testing.assert_allclose(metrics["final_loss"], hybrid_runs["data=1,model=1"]["final_loss"], rtol=1e-5)
+    np.testing.assert_allclose(metrics["val_loss"], hybrid_runs["data=1,model=1"]["val_loss"], rtol=1e-5)
+    assert metrics["vocab_size"] == 512 and metrics["tokens_seen"] == 4 * 8 * 16
     # Parameters and optimizer state stored split: close to 1/8 per device (small arrays
     # that stay whole across the model axis keep it above 1/8 under fsdp x model).
     assert metrics["state_bytes_per_device"] * 8 < 1.1 * metrics["state_bytes_total"]
