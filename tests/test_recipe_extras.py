@@ -183,7 +183,9 @@ def test_the_import_reader_sees_lazy_and_attribute_imports():
     """The check above is only as good as its reader: grain via `import eqxpar.data`, orbax
     via `eqxpar.checkpoint.Checkpointer` (a lazy subpackage) and a function-level import."""
     assert {"grain", "orbax", "tyro", "sklearn", "tensorboardX"} <= set(third_party_imports("data_parallel"))
-    assert "grain" not in third_party_imports("tensor_parallel")
+    # A lazy subpackage no import reaches is not counted: moe_gpt keeps no checkpoints. (Every
+    # recipe reaches grain now: eqxpar.recipe's text pipeline loads through eqxpar.data.)
+    assert "orbax" not in third_party_imports("moe_gpt")
     assert {"orbax", "tensorboardX"} <= set(third_party_imports("tensor_parallel"))
 
 

@@ -23,10 +23,10 @@ import numpy as np
 import optax
 import pytest
 from _recipes import load_recipe, run_recipe
+from _reference import recipe_text
 from jax.sharding import PartitionSpec as P
 
 import eqxpar
-from eqxpar.datasets import python_source_text
 from eqxpar.models import (
     GPT,
     GPT_CONFIGS,
@@ -77,7 +77,7 @@ def test_bfloat16_run_stays_near_float32_and_every_run_reports_its_speed(default
     for name in ("first_loss", "final_loss", "val_loss"):
         assert abs(run[name] - default_run[name]) < 0.05, (name, run[name], default_run[name])
     # The FLOPs of the model the recipe built (GPT of the same shape and vocabulary).
-    vocab = python_source_text().vocab_size
+    vocab = recipe_text(16).vocab_size  # the recipe's tokenizer's (rows of --context 16)
     model = eqx.filter_eval_shape(lambda: GPT(vocab, 16, 32, 8, 2, axis_name="model", key=jax.random.key(0)))
     for metrics in (run, default_run):
         assert metrics["flops_per_token"] == gpt_flops_per_token(model)
