@@ -1,5 +1,10 @@
 """Pipeline-parallel training of a GPT over a `stage` axis (with `data` around it).
 
+It trains on your text (`--data`, `--tokenizer`; by default a corpus of Python's own source
+code) through the same tokenizer, token store and packed rows as hybrid_gpt.py: each
+micro-batch carries its rows' segment ids and positions through the stages, so attention
+stays inside each document.
+
 What it shows: the GPT's 8 stacked transformer blocks split over `stage=4` devices (2
 blocks each), the batch split over `data=2` and cut into micro-batches that flow through
 the stages one tick at a time, in one SPMD program (`shard_map` + `ppermute` + `scan`).
@@ -14,6 +19,7 @@ per-device temporary memory and the ppermute bytes of the compiled step.
     python recipes/pipeline_gpt.py --schedule circular --virtual-stages 2
     python recipes/pipeline_gpt.py --mesh stage=1,data=1            # one device: the same losses
     python recipes/pipeline_gpt.py --layout auto                    # the planner picks mesh, schedule, M, remat
+    python recipes/pipeline_gpt.py --data corpus/*.jsonl --tokenizer tokenizer.json
     python recipes/pipeline_gpt.py --checkpoint-dir /tmp/pipe --checkpoint-every 10 --resume
 
 Every mesh and schedule trains the same model on the same batches: the same final loss.
@@ -32,22 +38,20 @@ import optax
 import eqxpar
 import eqxpar.nn
 import eqxpar.recipe
-from eqxpar.datasets import python_source_text, text_windows
 from eqxpar.inspect import CommReport, MemoryReport
 from eqxpar.models import GPT, gpt_stages, next_token_loss
 from eqxpar.train import (
     SCHEDULES,
     bubble_theory,
     pipeline_step,
-    shard_batch,
     stage_boundary_bytes,
 )
 
 
 @dataclasses.dataclass
 class Config(
-    eqxpar.recipe.CheckpointFlags, eqxpar.recipe.LogFlags, eqxpar.recipe.LayoutFlags
-):  # + checkpoint flags, --log-dir, --log-every, --layout, --memory-per-device
+    eqxpar.recipe.CheckpointFlags, eqxpar.recipe.LogFlags, eqxpar.recipe.LayoutFlags, eqxpar.recipe.TextFlags
+):  # + checkpoint flags, --log-dir, --log-every, --layout, --memory-per-device, --data, --tokenizer, --seq-len
     devices: int = 8  # simulated CPU devices when there is no accelerator
     mesh: str = "auto"  # stage splits the blocks, data the batch (e.g. stage=4,data=2; model=: TP); auto: fit
     schedule: Literal["gpipe", "circular", "1f1b"] = "gpipe"  # the pipeline schedule (eqxpar.train.SCHEDULES)
@@ -55,7 +59,7 @@ class Config(
     virtual_stages: int = 2  # layer chunks per device under --schedule circular (r)
     steps: int = 30  # training steps
     batch_size: int = 64  # the global batch, in sequences
-    context: int = 32  # characters the model sees
+    context: int = 32  # tokens the model sees (its position table); --seq-len: tokens per training row
     dim: int = 64  # the model's width
     heads: int = 4  # attention heads
     layers: int = 8  # transformer blocks (divisible by the stages, times --virtual-stages for circular)
@@ -75,6 +79,7 @@ def check_flags(cfg: Config) -> Config:
     )
     if cfg.dim % cfg.heads:
         raise ValueError(f"--dim {cfg.dim} is not divisible by --heads {cfg.heads}.")
+    cfg = eqxpar.recipe.check_text_flags(cfg, context=cfg.context)  # --data, --tokenizer, --seq-len
     eqxpar.simulate_cpu_devices(cfg.devices)
     if cfg.layout == "auto":  # the planner chooses mesh, schedule and micro-batches (in main), then check_mesh
         return cfg
@@ -110,7 +115,12 @@ def check_mesh(cfg: Config) -> Config:
 
 def main(argv=None) -> dict:
     cfg = eqxpar.recipe.parse_flags(Config, argv, validate=check_flags)
-    text = python_source_text()
+    # --- Data: the corpus tokenized once into a token store (reused while the tokenizer
+    # and files match), cut into packed rows of --seq-len + 1 tokens with each token's
+    # document and position in it; the last --held-out share of documents held out. Each
+    # step's batch is a pure function of (seed, step): any mesh and schedule see the same. ---
+    with eqxpar.recipe.flag_errors():  # unreadable files or tokenizer, a stale store: one line, exit 2
+        text = eqxpar.recipe.load_text(cfg)
     # --- Layout (--layout auto): the planner prices every stage x data x model pipeline of
     # these devices (schedule, micro-batches, virtual stages, remat) from the shapes alone,
     # prints the fastest that fit --memory-per-device with why, and the first one's mesh,
@@ -127,8 +137,6 @@ def main(argv=None) -> dict:
     sizes = eqxpar.parse_mesh(cfg.mesh)
     mesh = eqxpar.make_mesh(**sizes)
     P, M, r = sizes["stage"], cfg.microbatches, cfg.virtual_stages
-    split = int(0.9 * len(text.ids))  # the last 10% held out
-    train_ids, val_ids = text.ids[:split], text.ids[split:]
     model_key = jax.random.key(cfg.seed)
     # The blocks stacked (scan_layers): one array per weight with a leading layer axis,
     # which the pipeline splits over `stage`.
@@ -147,10 +155,12 @@ def main(argv=None) -> dict:
     )
     model, opt_state = step.init(model)
 
+    # The global batch split over `data` (whole along `stage` and `model`), as the step takes
+    # it: the packed rows `{"tokens", "segment_ids", "positions"}` (the first stage embeds
+    # the tokens at their positions, every stage masks attention by segment, the last
+    # weighs the targets); with --no-document-mask the tokens alone.
     def batch(i):
-        return shard_batch(
-            text_windows(train_ids, cfg.batch_size, cfg.context, seed=cfg.seed, step=i), mesh, batch_axis="data"
-        )
+        return text.batch(i, mesh, global_batch_size=cfg.batch_size, seed=cfg.seed, batch_axis="data")
 
     # --- Theory and measurement, from the compiled program. ---
     lowered = step.lower(model, opt_state, batch(0))
@@ -163,12 +173,16 @@ def main(argv=None) -> dict:
     table = step.schedule
     bubble = table.bubble_fraction()
     rows = cfg.batch_size // (sizes["data"] * M)
-    activation = rows * cfg.context * cfg.dim * 4  # one micro-batch's stage output, float32
+    activation = rows * cfg.seq_len * cfg.dim * 4  # one micro-batch's stage output, float32
     ticks = sum(n for kind, _, n in table.phases if kind in ("forward", "both"))
     b_ticks = sum(n for kind, _, n in table.phases if kind in ("backward", "both"))
     # Forward: one activation per forward tick; backward: one gradient per backward tick
-    # (GPipe: the transposed forward ppermutes). Per device; none with one stage.
-    permute_theory = stage_boundary_bytes(table, activation)
+    # (GPipe: the transposed forward ppermutes). Per device; none with one stage. Packed
+    # rows: each micro-batch's segment ids (int32) travel forward with its activation, for
+    # the next stage's document mask (integers: no gradient comes back).
+    segments = rows * cfg.seq_len * 4 if cfg.document_mask else 0
+    permute_theory = stage_boundary_bytes(table, activation) + (ticks * segments if P > 1 else 0)
+    segment_text = f" + {ticks} x {segments:,} of segment ids" if segments and P > 1 else ""
     # The pipeline's own ppermutes over `stage` (lowered: what the code asked for; loops
     # counted once per tick), and what the compiled step moves (circular: + XLA's moves of the
     # interleaved weights and gradients).
@@ -190,8 +204,8 @@ def main(argv=None) -> dict:
         )
         print(f"temp memory per device (compiled): {temp:,} bytes")
         print(
-            f"ppermute bytes per device per step: theory {permute_theory:,} "
-            f"({ticks}+{b_ticks} ticks x {activation:,}), measured {permute_measured:,}; "
+            f"ppermute bytes per device per step: theory {permute_theory:,} ({ticks}+{b_ticks} ticks x "
+            f"{activation:,}{segment_text}), measured {permute_measured:,}; "
             f"the compiled step's collective-permutes: {permute_compiled:,}"
         )
 
@@ -205,14 +219,21 @@ def main(argv=None) -> dict:
     evaluate = eqxpar.recipe.held_out_loss(
         lambda model, tokens: next_token_loss(model, tokens), mesh, eqxpar.nn.partition_specs(model, mesh)
     )
-    val_tokens = text_windows(val_ids, 64, cfg.context, seed=1234, step=0)
+    val_batch, val_counts = text.val_batch(mesh)
+
+    def val_metrics(model):  # val_loss, val_perplexity, val_bits_per_byte
+        return text.val_metrics(float(evaluate(model, val_batch)), val_counts)
+
+    def val_loss_of(model):
+        return val_metrics(model)["val_loss"]
+
     steps = eqxpar.recipe.steps_to_run(first_step, cfg.steps)  # none left: says so
     # --log-dir: metrics every --log-every steps, TensorBoard events, config.json. The loop
     # waits for the device only every --log-every steps (run_log fetches those steps' losses
     # in one go), at evaluations, checkpoints and the end.
     run_log = eqxpar.recipe.RunLog.from_config(
         cfg,
-        items_per_step=cfg.batch_size * cfg.context,
+        items_per_step=cfg.batch_size * cfg.seq_len,
         flops_per_item=eqxpar.models.gpt_flops_per_token(model),
         n_devices=mesh.size,
         losses=history["losses"] if history else [],
@@ -220,12 +241,13 @@ def main(argv=None) -> dict:
     for i in run_log.progress(steps, desc=f"pipeline {cfg.schedule}"):
         model, opt_state, metrics = step(model, opt_state, batch(i))
         run_log.step(i, metrics)
-        run_log.maybe_eval(i, val_loss=functools.partial(evaluate, model, val_tokens))
+        run_log.maybe_eval(i, val_loss=functools.partial(val_loss_of, model))
         ckpt.maybe_save(i + 1, (model, opt_state), data_state=run_log.data_state, force=i + 1 == cfg.steps)
     ckpt.close()
     run_log.close()
     losses = run_log.losses
-    val_loss = float(evaluate(model, val_tokens))
+    val = val_metrics(model)
+    val_loss = val["val_loss"]
     metrics = {
         "mesh": cfg.mesh,
         "schedule": cfg.schedule,
@@ -234,8 +256,12 @@ def main(argv=None) -> dict:
         "first_loss": losses[0],
         "final_loss": losses[-1],
         "final_loss_mean10": float(np.mean(losses[-10:])),
-        "val_loss": val_loss,
+        **val,  # val_loss (nats per held-out token), val_perplexity, val_bits_per_byte
         "val_losses": run_log.evals,  # every --eval-every steps: {"step", "val_loss"}
+        "tokens_seen": cfg.steps * cfg.batch_size * cfg.seq_len,  # row positions trained on, resumed steps included
+        "vocab_size": text.vocab_size,
+        "seq_len": cfg.seq_len,
+        "document_mask": cfg.document_mask,
         "bubble_fraction": bubble,
         "bubble_theory": bubble_theory(cfg.schedule, P, M, r),
         "temp_bytes_per_device": int(temp),
@@ -250,7 +276,10 @@ def main(argv=None) -> dict:
         **eqxpar.recipe.layout_metrics(cfg, plan, comm, memory),
     }
     if eqxpar.recipe.is_main_process():
-        print(f"{cfg.mesh} {cfg.schedule}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, held-out {val_loss:.4f}")
+        print(
+            f"{cfg.mesh} {cfg.schedule}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, held-out {val_loss:.4f} "
+            f"({val['val_bits_per_byte']:.3f} bits/byte)"
+        )
     eqxpar.recipe.write_metrics(cfg.metrics_out, metrics)
     return metrics
 

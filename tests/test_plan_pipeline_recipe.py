@@ -9,25 +9,28 @@ checked here."""
 import jax
 import pytest
 from _recipes import load_recipe, run_recipe
-from _reference import assert_reference_losses, gpt_reference_losses
+from _reference import assert_reference_losses, recipe_text, text_reference_losses
 
-from eqxpar.datasets import python_source_text
 from eqxpar.models import GPT
 
 STEPS, BATCH, CONTEXT, DIM, HEADS, LAYERS, SEED, LR = 2, 16, 16, 32, 4, 4, 0, 3e-3
 FLAGS = (
+    # Plain token rows: with document masks each micro-batch's segment ids also travel
+    # between the stages (the recipe's own theory counts them, tests/test_pipeline_recipe.py),
+    # which the planner's collective theory does not price yet (64 bytes a forward tick here).
+    "--no-document-mask",
     *("--steps", str(STEPS), "--batch-size", str(BATCH), "--context", str(CONTEXT)),
-    *("--dim", str(DIM), "--heads", str(HEADS), "--layers", str(LAYERS)),
+    *("--dim", str(DIM), "--heads", str(HEADS), "--layers", str(LAYERS)),  # last: a test below replaces it
 )
 MEMORY = "0.0006"  # GB: the plans that keep every tick's activations do not fit; the chosen one compiles to 0.000552
 
 
 def reference_losses() -> dict[str, float]:
     """The recipe's run written out plainly on one device: its weights (the seed's key), its
-    batches, AdamW, the held-out loss (`gpt_reference_losses`)."""
-    text = python_source_text()
-    model = GPT(text.vocab_size, CONTEXT, DIM, HEADS, LAYERS, scan_layers=True, key=jax.random.key(SEED))
-    return gpt_reference_losses(model, seq=CONTEXT, batch=BATCH, steps=STEPS, seed=SEED, lr=LR)
+    batches of packed rows, AdamW, the held-out metrics (`text_reference_losses`)."""
+    vocab = recipe_text(CONTEXT).vocab_size
+    model = GPT(vocab, CONTEXT, DIM, HEADS, LAYERS, scan_layers=True, key=jax.random.key(SEED))
+    return text_reference_losses(model, seq=CONTEXT, batch=BATCH, steps=STEPS, seed=SEED, lr=LR, document_mask=False)
 
 
 def test_layout_auto_picks_a_pipeline_prints_the_plans_and_equals_one_device(tmp_path, capsys):
