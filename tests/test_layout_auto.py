@@ -16,12 +16,11 @@ import jax
 import numpy as np
 import pytest
 from _recipes import RECIPES, load_recipe, run_recipe
-from _reference import assert_reference_losses, gpt_reference_losses
+from _reference import assert_reference_losses, recipe_text, text_reference_losses
 
 import eqxpar
 import eqxpar.nn
 import eqxpar.recipe
-from eqxpar.datasets import python_source_text
 from eqxpar.inspect import MemoryReport
 from eqxpar.models import GPT
 
@@ -33,10 +32,11 @@ DIM, HEADS, LAYERS = 64, 8, 2
 
 def reference_losses() -> dict[str, float]:
     """The recipe's run written out plainly on one device: its weights (the first of three
-    keys split from the seed), its batches, AdamW, the held-out loss (`gpt_reference_losses`)."""
-    text = python_source_text()
-    model = GPT(text.vocab_size, CONTEXT, DIM, HEADS, LAYERS, key=jax.random.split(jax.random.key(SEED), 3)[0])
-    return gpt_reference_losses(model, seq=CONTEXT, batch=BATCH, steps=STEPS, seed=SEED, lr=LR)
+    keys split from the seed), its batches of packed rows, AdamW, the held-out metrics
+    (`text_reference_losses`)."""
+    vocab = recipe_text(CONTEXT).vocab_size
+    model = GPT(vocab, CONTEXT, DIM, HEADS, LAYERS, key=jax.random.split(jax.random.key(SEED), 3)[0])
+    return text_reference_losses(model, seq=CONTEXT, batch=BATCH, steps=STEPS, seed=SEED, lr=LR)
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def test_a_memory_nothing_fits_names_the_memory_that_would(capsys):
     assert 0.0001 < least < 0.01
     # That memory is enough: the planner finds a layout there, and none just below it.
     config = eqxpar.models.GPTConfig(context=CONTEXT, dim=DIM, heads=HEADS, layers=LAYERS)
-    vocab = python_source_text().vocab_size
+    vocab = recipe_text(CONTEXT).vocab_size  # the recipe's tokenizer's
     common = dict(batch=BATCH, vocab_size=vocab, axes=("data", "model"), sequence_parallel=(False,))
     common.update(dtype=np.float32, top=None)
     fits = eqxpar.plan.plan(config, cluster=eqxpar.recipe.local_cluster(least * 1e9), **common)
