@@ -75,6 +75,7 @@ def check_flags(cfg: Config) -> Config:
     cfg = eqxpar.recipe.check_text_flags(cfg, context=cfg.context)  # --data, --tokenizer, --seq-len
     if cfg.dim % cfg.heads:
         raise ValueError(f"--dim {cfg.dim} is not divisible by --heads {cfg.heads}: every head needs the same width.")
+    eqxpar.recipe.check_layout_flags(cfg)  # --layout auto with --mesh: one line, before any data is read
     if cfg.layout == "auto":  # the planner chooses the mesh (in main), and checks what divides what
         return cfg
     # The data axis splits the batch (every replica the same number of sequences), the

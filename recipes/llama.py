@@ -272,7 +272,9 @@ def main(argv=None) -> dict:
     if cfg.export_hf is not None:
         with eqxpar.recipe.flag_errors():
             save_hf(model, cfg.export_hf)  # array by array; only process 0 writes
-        say(f"exported the trained model to {cfg.export_hf} (config.json, model.safetensors)")
+            if eqxpar.recipe.is_main_process():  # the folder's own tokenizer, for --from-hf
+                text.tokenizer.save(cfg.export_hf)
+        say(f"exported the trained model to {cfg.export_hf} (config.json, model.safetensors, its tokenizer)")
 
     params = eqxpar.sharding_report(model)
     metrics = {

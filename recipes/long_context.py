@@ -79,6 +79,7 @@ def check_flags(cfg: Config) -> Config:
     if not cfg.learning_rate > 0:
         raise ValueError(f"--learning-rate must be positive, got {cfg.learning_rate}.")
     eqxpar.simulate_cpu_devices(cfg.devices)  # before JAX touches a backend
+    eqxpar.recipe.check_layout_flags(cfg)  # --layout auto with --mesh: one line, before any data is read
     if cfg.layout == "auto":  # the planner chooses the mesh (in main), and checks what divides what
         return cfg
     # The zigzag layout cuts each sequence into 2 x context chunks.

@@ -81,6 +81,7 @@ def check_flags(cfg: Config) -> Config:
         raise ValueError(f"--dim {cfg.dim} is not divisible by --heads {cfg.heads}.")
     cfg = eqxpar.recipe.check_text_flags(cfg, context=cfg.context)  # --data, --tokenizer, --seq-len
     eqxpar.simulate_cpu_devices(cfg.devices)
+    eqxpar.recipe.check_layout_flags(cfg)  # --layout auto with --mesh: one line, before any data is read
     if cfg.layout == "auto":  # the planner chooses mesh, schedule and micro-batches (in main), then check_mesh
         return cfg
     return check_mesh(cfg)

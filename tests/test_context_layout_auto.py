@@ -18,10 +18,9 @@ import sys
 import jax
 import pytest
 from _recipes import RECIPES, load_recipe, run_recipe
-from _reference import assert_reference_losses, gpt_reference_losses
+from _reference import assert_reference_losses, recipe_text, text_reference_losses
 
 import eqxpar.recipe._layout as layout_module
-from eqxpar.datasets import python_source_text
 from eqxpar.models import GPT
 
 STEPS, BATCH, SEQ, DIM, HEADS, LAYERS, SEED, LR = 2, 2, 256, 16, 2, 1, 0, 3e-3
@@ -41,12 +40,11 @@ KEYS = ("first_loss", "final_loss", "val_loss")  # long_context reports no mean 
 @functools.cache
 def reference_losses(heads: int = HEADS, layers: int = LAYERS) -> dict[str, float]:
     """The recipe's run written out plainly on one device: its weights (the first of two
-    keys split from the seed), its batches (`text_windows` of the first nine tenths of the
-    text, per seed and step, in their own order), AdamW, and the held-out loss of one batch
-    of the last tenth."""
-    text = python_source_text()
-    model = GPT(text.vocab_size, SEQ, DIM, heads, layers, key=jax.random.split(jax.random.key(SEED))[0])
-    return gpt_reference_losses(model, seq=SEQ, batch=BATCH, steps=STEPS, seed=SEED, lr=LR, val_batch=BATCH)
+    keys split from the seed), its batches (the packed rows of the text pipeline, per seed and
+    step), AdamW, and the held-out rows' loss."""
+    vocab = recipe_text(SEQ).vocab_size
+    model = GPT(vocab, SEQ, DIM, heads, layers, key=jax.random.split(jax.random.key(SEED))[0])
+    return text_reference_losses(model, seq=SEQ, batch=BATCH, steps=STEPS, seed=SEED, lr=LR)
 
 
 def test_layout_auto_plans_cp_attention_and_sp_exactly_and_equals_one_device(tmp_path, capsys):

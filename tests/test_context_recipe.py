@@ -9,8 +9,9 @@ FLAGS = ["--steps", "2", "--batch-size", "2", "--seq-len", "256", "--dim", "16",
 
 
 KINDS = {
-    # The rows over `context` each attention mode adds to the step's collectives.
-    "ring": {"collective-permute context"},
+    # The rows over `context` each attention mode adds to the step's collectives (with the
+    # packed documents' ids all-gathered once per step).
+    "ring": {"collective-permute context", "all-gather context"},
     "all_gather": {"all-gather context", "reduce-scatter context"},
 }
 

@@ -44,7 +44,9 @@ def llama(impl: str, sp: bool = False, scan: bool = False) -> Llama:
     config = LlamaConfig(
         vocab_size=VOCAB, dim=16, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=32, max_seq_len=SEQ
     )
-    return Llama(config, attention_impl=impl, sequence_parallel=sp, scan_layers=scan, init_std=0.2, key=jax.random.key(2))
+    return Llama(
+        config, attention_impl=impl, sequence_parallel=sp, scan_layers=scan, init_std=0.2, key=jax.random.key(2)
+    )
 
 
 def packed(lengths: list[list[int]], seed: int) -> dict[str, np.ndarray]:
@@ -164,7 +166,10 @@ def test_packed_logits_equal_each_document_alone(family):
 
     def run(inputs, segment_ids=None, positions=None):
         fn = eqxpar.filter_shard_map(
-            lambda m, t, s, p: m(t, segment_ids=s, positions=p), mesh=mesh, in_specs=(P(),) * 4, out_specs=P(None, "model")
+            lambda m, t, s, p: m(t, segment_ids=s, positions=p),
+            mesh=mesh,
+            in_specs=(P(),) * 4,
+            out_specs=P(None, "model"),
         )
         return np.asarray(fn(model, inputs, segment_ids, positions))
 

@@ -38,10 +38,10 @@ def test_default_mesh_and_one_device_train_the_same(default_run):
     np.testing.assert_allclose(metrics["losses"], one["losses"], rtol=1e-5)
     np.testing.assert_allclose(metrics["val_loss"], one["val_loss"], rtol=1e-5)
     assert metrics["start_param_digest"] == one["start_param_digest"]
-    # The loss goes down, and the model learns more than the characters' frequencies.
-    assert metrics["final_loss"] < metrics["first_loss"] - 0.5
-    assert metrics["val_loss"] < metrics["start_val_loss"] - 0.5
-    assert sorted(os.listdir(tmp / "one_device_export")) == ["config.json", "model.safetensors"]
+    # The loss goes down from uniform guessing over the 512 BPE tokens (ln 512 = 6.24) in 6 steps.
+    assert metrics["final_loss"] < metrics["first_loss"] - 0.3
+    assert metrics["val_loss"] < metrics["start_val_loss"] - 0.3
+    assert sorted(os.listdir(tmp / "one_device_export")) == ["config.json", "model.safetensors", "tokenizer.json"]
 
 
 def test_fine_tune_from_the_export_starts_from_the_exported_model(default_run, tmp_path):

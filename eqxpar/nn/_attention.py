@@ -341,7 +341,8 @@ class ParallelMultiheadAttention(TensorParallelLayer):
             if segment_ids is not None and self.attention_impl not in ("ring", "all_gather"):
                 check_segment_shape(segment_ids, lead, q_seq, kv_seq)
                 documents = segment_mask(segment_ids)
-                mask = documents if mask is None else mask & documents
+                assert documents is not None  # segment_ids is not None
+                mask = documents if mask is None else jnp.logical_and(mask, documents)
             dropout_off = inference if inference is not None else self.dropout.inference
             dropout_off = dropout_off or (isinstance(self.dropout.p, (int, float)) and self.dropout.p == 0)
             if self.attention_impl in ("ring", "all_gather"):

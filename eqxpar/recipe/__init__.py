@@ -34,7 +34,15 @@ from ._flags import (
     require_positive,
 )
 from ._gpt_flags import GPTFlags, check_gpt_flags, speed_metrics, speed_text
-from ._layout import CPU_CLUSTER, LayoutFlags, auto_layout, check_compiled_peak, layout_metrics, local_cluster
+from ._layout import (
+    CPU_CLUSTER,
+    LayoutFlags,
+    auto_layout,
+    check_compiled_peak,
+    check_layout_flags,
+    layout_metrics,
+    local_cluster,
+)
 from ._log import LogFlags, RunLog
 from ._output import Throughput, is_main_process, parameter_digest, progress, steps_to_run, write_metrics
 from ._text import TextData, TextFlags, check_text_flags, load_text
@@ -62,6 +70,7 @@ __all__ = [
     "held_out_loss",
     "LayoutFlags",
     "auto_layout",
+    "check_layout_flags",
     "check_compiled_peak",
     "local_cluster",
     "layout_metrics",

@@ -100,6 +100,20 @@ def local_cluster(memory_per_device: float | None = None) -> Cluster:
     return cluster(preset, **shape, **overrides)
 
 
+def check_layout_flags(cfg: Any) -> None:
+    """With `--layout auto`, `--mesh` must stay `auto` (the planner chooses the mesh): a
+    recipe calls this in its flag checks, before it reads data or compiles.
+
+    **Raises:**
+
+    - `ValueError` naming both flags and the fix.
+    """
+    if cfg.layout == "auto" and cfg.mesh != "auto":
+        raise ValueError(
+            f"--layout auto chooses the mesh itself: drop --mesh {cfg.mesh}, or drop --layout auto to run that mesh."
+        )
+
+
 def auto_layout(
     cfg: C,
     *,
@@ -158,10 +172,7 @@ def auto_layout(
     flags: Any = cfg
     if flags.layout != "auto":
         return cfg, None
-    if flags.mesh != "auto":
-        raise ValueError(
-            f"--layout auto chooses the mesh itself: drop --mesh {flags.mesh}, or drop --layout auto to run that mesh."
-        )
+    check_layout_flags(cfg)
     if flags.memory_per_device is not None and not flags.memory_per_device > 0:
         raise ValueError(f"--memory-per-device must be positive (GB per device), got {flags.memory_per_device}.")
     memory = None if flags.memory_per_device is None else flags.memory_per_device * GB

@@ -44,9 +44,7 @@ class TextFlags:
     then builds (or reuses) the store and serves the batches."""
 
     # The comments are the flags' --help text (eqxpar.recipe.parse_flags reads them).
-    data: str | None = (
-        None  # files, folders or globs, comma-separated (.txt .jsonl .jsonl.gz .parquet); default: bundled
-    )
+    data: str | None = None  # files, folders or globs, comma-separated (.txt .jsonl(.gz) .parquet); default: bundled
     data_field: str = "text"  # the text field of .jsonl records and the column of .parquet files
     tokenizer: str | None = None  # tokenizer.json, a HF checkpoint folder or a .model; default: a BPE trained on --data
     val_data: str | None = None  # held-out corpus; default: the last --held-out share of --data's documents
@@ -253,7 +251,8 @@ def load_text(cfg: TextFlags, *, progress: bool = True, timeout_s: float = 600.0
         tokenizer = eqtext.load_tokenizer(path)
 
     def store(files, name):
-        folder = cache / "stores" / f"{name}-{tokenizer.fingerprint[:12]}-{_digest(files)}"
+        field = hashlib.sha256(cfg.data_field.encode()).hexdigest()[:8]
+        folder = cache / "stores" / f"{name}-{tokenizer.fingerprint[:12]}-{_digest(files)}-{field}"
         if name == "train" and cfg.store_dir is not None:
             folder = pathlib.Path(cfg.store_dir)
         return eqtext.build_token_store(

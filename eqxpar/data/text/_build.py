@@ -4,6 +4,7 @@ atomically, and reuse it while its corpus and tokenizer stay the same."""
 from __future__ import annotations
 
 import concurrent.futures
+import concurrent.futures.process
 import functools
 import importlib.metadata
 import itertools

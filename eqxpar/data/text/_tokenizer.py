@@ -109,6 +109,35 @@ class Tokenizer:
             return self._backend.decode(ids, skip_special_tokens=False)
         return self._backend.decode(ids)
 
+    def save(self, folder: str | os.PathLike) -> list[str]:
+        """Write the tokenizer into `folder` as a checkpoint folder holds it, so that
+        [`eqxpar.data.text.load_tokenizer`][] (and Hugging Face) read it from there:
+        `tokenizer.json` (Hugging Face), `tokenizer.model` (SentencePiece) or the char
+        tokenizer's JSON as `tokenizer.json`, plus the `tokenizer_config.json` beside a
+        tokenizer loaded from a checkpoint folder.
+
+        **Returns:**
+
+        The names of the files written.
+
+        **Raises:**
+
+        - `ValueError` if `folder` already holds one of them (nothing is overwritten).
+        """
+        source = pathlib.Path(self.source)
+        name = "tokenizer.model" if self.kind == "sentencepiece" else "tokenizer.json"
+        files = {name: source / name if source.is_dir() else source}
+        if source.is_dir() and (source / "tokenizer_config.json").is_file():
+            files["tokenizer_config.json"] = source / "tokenizer_config.json"
+        folder = pathlib.Path(folder)
+        held = sorted(n for n in files if (folder / n).exists())
+        if held:
+            raise ValueError(f"Tokenizer.save: {folder} already holds {held}; give a folder without them.")
+        folder.mkdir(parents=True, exist_ok=True)
+        for target, origin in files.items():
+            (folder / target).write_bytes(origin.read_bytes())
+        return sorted(files)
+
     def document(self, text: str) -> list[int]:
         """`[bos_id]` (if `bos_id` is not `None`) + `encode(text)` + `[eos_id]`: a document as
         it goes into the training stream."""
