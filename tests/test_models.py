@@ -116,7 +116,7 @@ def test_recipe_same_losses_for_model_1_and_8_and_loss_goes_down(tmp_path):
     # Per step: 2 all-reduces per block (forward) + 2 (backward), the embedding's, the
     # head's input gradient, and the loss's pmax and psum.
     assert split["all_reduces_per_step"] == 4 * 1 + 4
-    assert len(split["sample"]) == len("def ") + 8
+    assert split["sample"].startswith("def ") and len(split["sample"]) > len("def ")  # 8 BPE tokens after it
 
 
 @pytest.mark.parametrize("rows", [None, (5, 0, 3, 1)])
