@@ -10,6 +10,7 @@ path: it is written once as a `.jsonl` file in the cache, a byte-level BPE is tr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -157,16 +158,7 @@ class TextData:
     def _arrange(self, rows, mesh, batch_axis, context_axis):
         if context_axis is None:
             return rows if self.document_mask else rows["tokens"]
-        order = np.asarray(layout_order(self.seq_len, mesh.shape[context_axis], "zigzag"))
-        spec = NamedSharding(mesh, P(batch_axis, context_axis))
-
-        def shifted(rows):
-            batch = next_token_batch(rows if self.document_mask else rows["tokens"])
-            if not self.document_mask:
-                return batch["inputs"][:, order], batch["targets"][:, order]
-            return {k: v[:, order] for k, v in batch.items()}
-
-        return jax.jit(shifted, out_shardings=spec)(rows)
+        return _context_layout(self.seq_len, self.document_mask, mesh, batch_axis, context_axis)(rows)
 
     def val_metrics(self, mean_loss: float, counts: tuple[float, float]) -> dict[str, float]:
         """`val_loss` (nats per counted target), `val_perplexity` and `val_bits_per_byte`
@@ -180,6 +172,22 @@ class TextData:
             "val_perplexity": math.exp(min(loss, 700.0)),
             "val_bits_per_byte": nats / math.log(2) / (positions * self.val_bytes_per_token),
         }
+
+
+@functools.lru_cache(maxsize=16)
+def _context_layout(seq_len: int, document_mask: bool, mesh: Mesh, batch_axis: Any, context_axis: str):
+    """The compiled shift into next-token inputs and targets, put in the zigzag order the
+    context-parallel attention expects and split over `(batch_axis, context_axis)`: made
+    once per layout, not once per batch (a fresh `jax.jit` would trace every step)."""
+    order = np.asarray(layout_order(seq_len, mesh.shape[context_axis], "zigzag"))
+
+    def shifted(rows):
+        batch = next_token_batch(rows if document_mask else rows["tokens"])
+        if not document_mask:
+            return batch["inputs"][:, order], batch["targets"][:, order]
+        return {k: v[:, order] for k, v in batch.items()}
+
+    return jax.jit(shifted, out_shardings=NamedSharding(mesh, P(batch_axis, context_axis)))
 
 
 def _digest(files: list[pathlib.Path]) -> str:
